@@ -1,0 +1,79 @@
+// CUDA bindings of jk_route and jk_schedule; the kernels are kernels/routing.cuh.
+#include <cstdint>
+
+#include "ffi/ffi_util.h"
+#include "ffi/registry.h"
+#include "ffi/routing_attrs.h"
+#include "kernels/routing.cuh"
+
+namespace jk {
+namespace {
+
+ffi::Error RouteCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
+                     ffi::ResultBuffer<ffi::F32> weights, ffi::ResultBuffer<ffi::S32> ids, int32_t top_k,
+                     int32_t score, bool renormalize, int32_t num_groups, int32_t top_groups, bool has_bias) {
+  RouteShape shape;
+  JK_FFI_RETURN_IF_ERROR(route_shape(logits, bias, top_k, num_groups, top_groups, &shape));
+  routing::RouteParams p{shape.num_experts, top_k, score, renormalize, num_groups, top_groups, has_bias};
+  if (logits.element_type() == ffi::F32) {
+    JK_CUDA_CHECK(routing::launch_route(stream, static_cast<const float*>(logits.untyped_data()), bias.typed_data(),
+                                        shape.tokens_per_bias_row, p, shape.tokens, weights->typed_data(),
+                                        ids->typed_data()));
+  } else {
+    JK_CUDA_CHECK(routing::launch_route(stream, static_cast<const uint16_t*>(logits.untyped_data()),
+                                        bias.typed_data(), shape.tokens_per_bias_row, p, shape.tokens,
+                                        weights->typed_data(), ids->typed_data()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ScheduleCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::S32> ids,
+                        ffi::ResultBuffer<ffi::S32> tokens_per_expert, ffi::ResultBuffer<ffi::S32> expert_offsets,
+                        ffi::ResultBuffer<ffi::S32> rows, int32_t num_experts, int32_t align) {
+  JK_FFI_RETURN_IF_ERROR(check_schedule_shapes(ids, tokens_per_expert->element_count(), expert_offsets->element_count(),
+                                               num_experts, align));
+  int64_t entries = static_cast<int64_t>(ids.element_count());
+  size_t scratch_bytes = static_cast<size_t>(routing::schedule_chunks(entries)) * num_experts * sizeof(int32_t);
+  int32_t* chunk_counts = nullptr;
+  if (scratch_bytes > 0) {
+    auto allocation = scratch.Allocate(scratch_bytes);
+    JK_FFI_CHECK(allocation.has_value(), "jk_schedule: scratch allocation failed");
+    chunk_counts = static_cast<int32_t*>(*allocation);
+  }
+  routing::ScheduleGlobals g{ids.typed_data(), entries, num_experts, align, chunk_counts,
+                             tokens_per_expert->typed_data(), expert_offsets->typed_data(), rows->typed_data()};
+  JK_CUDA_CHECK(routing::launch_schedule(stream, g));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RouteCudaHandler, RouteCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("top_k")
+                                  .Attr<int32_t>("score")
+                                  .Attr<bool>("renormalize")
+                                  .Attr<int32_t>("num_groups")
+                                  .Attr<int32_t>("top_groups")
+                                  .Attr<bool>("has_bias"),
+                              {ffi::Traits::kCmdBufferCompatible});
+JK_REGISTER_FFI("jk_route", "CUDA", RouteCudaHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScheduleCudaHandler, ScheduleCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("num_experts")
+                                  .Attr<int32_t>("align"));
+JK_REGISTER_FFI("jk_schedule", "CUDA", ScheduleCudaHandler);
+
+}  // namespace jk

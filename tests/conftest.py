@@ -1,0 +1,33 @@
+"""Test configuration: 8 host devices for the expert-parallel tests, and the `gpu` marker."""
+
+import os
+
+# Must precede the first jax import: the CPU expert-parallel tests shard over 8 host devices.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_kittens  # noqa: E402
+
+
+def _gpu_ready() -> bool:
+  return jax_kittens.build_info()["cuda"] and jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+  if _gpu_ready():
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU and the CUDA handlers")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def pytest_report_header(config):
+  info = jax_kittens.build_info()
+  return (f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.device_count()}, "
+          f"jax_kittens cuda={info['cuda']} archs={info['cuda_archs']} nvshmem={info['nvshmem']}")
