@@ -37,16 +37,13 @@ def _oracle_route(logits, top_k, score, bias, renormalize, num_groups, top_group
 
 
 def _assert_same_choice(ids, oracle_ids, oracle_keys, gap=1e-5):
-  """Ids equal the oracle's, except where the oracle itself has a near-tie at the k-th place (float32 rounding)."""
+  """At every rank the chosen expert's key equals the oracle's pick's key, up to float32 rounding of near-ties."""
   ids, oracle_ids = np.asarray(ids), np.asarray(oracle_ids)
-  differs = np.any(ids != oracle_ids, axis=-1)
-  if not differs.any():
-    return
-  sorted_keys = -np.sort(-oracle_keys[differs], axis=-1)
-  k = ids.shape[-1]
-  near_tie = np.abs(sorted_keys[:, k - 1] - sorted_keys[:, k]) < gap
-  assert near_tie.all(), f"{(~near_tie).sum()} tokens chose other experts than the oracle"
-  assert differs.mean() < 1e-3
+  chosen_keys = np.take_along_axis(oracle_keys, ids, -1)
+  oracle_chosen_keys = np.take_along_axis(oracle_keys, oracle_ids, -1)
+  off = np.abs(chosen_keys - oracle_chosen_keys) >= gap
+  assert not off.any(), f"{off.any(-1).sum()} tokens chose other experts than the oracle"
+  assert np.mean(np.any(ids != oracle_ids, axis=-1)) < 1e-3
 
 
 CONFIGS = [
@@ -131,8 +128,8 @@ def test_route_vmap_with_and_without_batched_bias():
 
 
 def test_route_under_shard_map():
-  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
-  logits = jax.random.normal(jax.random.key(7), (8 * 13, 32))
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices("cpu")[:8])
+  logits = jax.device_put(jax.random.normal(jax.random.key(7), (8 * 13, 32)), jax.devices("cpu")[0])
   sharded = jax.device_put(logits, NamedSharding(mesh, P("data")))
   f = jax.jit(jax.shard_map(lambda l: jk.route(l, 4), mesh=mesh, in_specs=P("data"), out_specs=P("data")))
   weights, ids = f(sharded)
