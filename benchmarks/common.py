@@ -1,0 +1,291 @@
+"""Shared benchmark machinery: device-synchronised timing, compiled memory, run metadata, JSON + PNG results, tables.
+
+Every measurement goes through `measure`, which turns a failure into ``{"error": ...}`` for its row instead of a
+number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import jax_kittens
+
+class ModelShape(NamedTuple):
+  num_experts: int  # E, all experts of the model
+  hidden: int  # H
+  intermediate: int  # I
+  top_k: int
+
+
+# design.md section 3 (MoK's shapes); --smoke swaps in tiny ones with the same structure.
+MODEL_SHAPES = {
+    "kimi-k2": ModelShape(384, 7168, 2048, 8),
+    "glm-5": ModelShape(256, 6144, 2048, 8),
+    "qwen3.5": ModelShape(512, 4096, 1024, 10),
+    "deepseek-v4": ModelShape(384, 7168, 3072, 6),
+}
+SMOKE_SHAPES = {"smoke-a": ModelShape(16, 128, 64, 2), "smoke-b": ModelShape(24, 192, 128, 3)}
+GPUS_PER_NODE = 8  # the single-GPU slice hosts E / 8 experts
+NUM_TOKENS, SMOKE_NUM_TOKENS = 8192, 200
+ROUTINGS = ("uniform", "skewed")
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BACKEND_COLORS = {"kittens": "tab:red", "xla": "tab:blue", "tokamax": "tab:green", "dense": "tab:gray"}
+
+
+def parse_args(description: str) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes and few runs: checks the script, e.g. on CPU")
+  parser.add_argument("--iters", type=int, default=20, help="timed runs per measurement (the median is reported)")
+  parser.add_argument("--budget-s", type=float, default=1.0,
+                      help="timed seconds per measurement: slow baselines get fewer runs (at least --min-iters)")
+  parser.add_argument("--min-iters", type=int, default=5)
+  parser.add_argument("--out-dir", default=None, help=f"where results go (default {RESULTS_DIR}; a temp dir with "
+                      "--smoke)")
+  parser.add_argument("--only", default=None, help="comma-separated backends to run (default: all)")
+  args = parser.parse_args()
+  if args.smoke:
+    args.iters, args.min_iters = min(args.iters, 3), 1
+    args.out_dir = args.out_dir or os.path.join("/tmp", "jax_kittens_benchmarks")
+  args.out_dir = args.out_dir or RESULTS_DIR
+  args.only = None if args.only is None else set(args.only.split(","))
+  return args
+
+
+def shapes(args) -> dict[str, ModelShape]:
+  return SMOKE_SHAPES if args.smoke else MODEL_SHAPES
+
+
+def num_tokens(args) -> int:
+  return SMOKE_NUM_TOKENS if args.smoke else NUM_TOKENS
+
+
+def routed(key, num_tokens: int, num_experts: int, top_k: int, routing: str) -> tuple[jax.Array, jax.Array]:
+  """Router (weights [T, k] f32, ids [T, k] int32): softmax top-k of random normal logits over ``num_experts``.
+
+  "skewed" adds a Zipf-like bias -2 log(1 + e): expert 0 takes several times its share, the last ones little.
+  """
+  logits = jax.random.normal(key, (num_tokens, num_experts), jnp.float32)
+  if routing == "skewed":
+    logits = logits - 2.0 * jnp.log1p(jnp.arange(num_experts, dtype=jnp.float32))
+  elif routing != "uniform":
+    raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+  return jax_kittens.route(logits, top_k, backend="xla")
+
+
+def _git(*command):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run(["git", "-C", root, *command], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def commit() -> str:
+  """HEAD's hash, with "-dirty" when tracked files differ from it; "uncommitted" outside a git checkout."""
+  try:
+    head = _git("rev-parse", "HEAD")
+  except (OSError, subprocess.CalledProcessError):
+    return "uncommitted"
+  try:
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+  except (OSError, subprocess.CalledProcessError):
+    dirty = True
+  return head + ("-dirty" if dirty else "")
+
+
+def metadata() -> dict:
+  device = jax.devices()[0]
+  return {"commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "gpu": device.device_kind if device.platform == "gpu" else f"none ({device.platform})",
+          "jax": jax.__version__}
+
+
+def compile_fn(fn: Callable, *args) -> jax.stages.Compiled:
+  """Compiles ``jax.jit(fn)`` for ``args`` once: the executable is both timed and asked for its memory."""
+  return jax.jit(fn).lower(*args).compile()
+
+
+def peak_memory(compiled: jax.stages.Compiled) -> dict:
+  """Device bytes of one executable from XLA's memory analysis: arguments, outputs, temporaries and their peak."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return {"error": "memory_analysis() returned None on this platform"}
+  sizes = {name: int(getattr(analysis, f"{name}_size_in_bytes", 0))
+           for name in ("argument", "output", "temp", "alias", "generated_code")}
+  # Everything live at once, aliased (donated) outputs counted once; XLA's own peak figure where it gives one.
+  sizes["total"] = sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"]
+  peak = getattr(analysis, "peak_memory_in_bytes", None)
+  if peak is not None:
+    sizes["peak"] = int(peak)
+  return sizes
+
+
+def time_compiled(compiled: Callable, arg_sets: Sequence[tuple], *, iters: int, min_iters: int,
+                  budget_s: float) -> dict:
+  """Median wall time of ``compiled(*args)``, synchronised on its outputs each run, cycling through ``arg_sets``.
+
+  One warm-up run, then ``iters`` timed runs, or fewer (not below ``min_iters``) when they would take more than
+  ``budget_s``: the first timed run sets the count.
+  """
+  def timed(args):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - start
+
+  jax.block_until_ready(compiled(*arg_sets[0]))
+  times = [timed(arg_sets[1 % len(arg_sets)])]
+  runs = max(min_iters, min(iters, int(budget_s / max(times[0], 1e-9))))
+  times += [timed(arg_sets[i % len(arg_sets)]) for i in range(2, runs + 1)]
+  return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "iters": len(times)}
+
+
+class RecordedError(Exception):
+  """A failure recorded earlier (e.g. at compile time), re-raised for each row it affects."""
+
+
+def error_message(error: BaseException) -> str:
+  message = str(error) if isinstance(error, RecordedError) else f"{type(error).__name__}: {error}"
+  return message.strip().splitlines()[0][:500] if message.strip() else traceback.format_exc(limit=1)
+
+
+def measure(row: dict, run: Callable[[], dict]) -> dict:
+  """``row`` updated with what ``run()`` returns, or with ``{"error": ...}`` when it raises."""
+  try:
+    row.update(run())
+  except Exception as error:  # noqa: BLE001  (one failing backend must not stop the others)
+    row["error"] = error_message(error)
+  print(format_row(row), flush=True)
+  return row
+
+
+def tflops(flops: float, median_ms: float) -> float:
+  return flops / (median_ms * 1e-3) / 1e12
+
+
+def tokamax_ragged_dot():
+  """(tokamax.ragged_dot, None), or (None, why it cannot be used)."""
+  try:
+    import tokamax  # noqa: PLC0415
+
+    return tokamax.ragged_dot, None
+  except Exception as error:  # noqa: BLE001  (any import failure is recorded, not fatal)
+    return None, f"tokamax unavailable: {type(error).__name__}: {error}"
+
+
+class Executable:
+  """One compiled function, or why there is none (``unavailable``, or the compile error); rows that use it time it
+  or report that error."""
+
+  def __init__(self, fn, args, unavailable: str | None = None):
+    self.compiled, self.error = None, unavailable
+    if unavailable is None:
+      try:
+        self.compiled = compile_fn(fn, *args)
+      except Exception as error:  # noqa: BLE001  (recorded in every row that needs it)
+        self.error = error_message(error)
+
+  def _ready(self):
+    if self.error:
+      raise RecordedError(self.error)
+    return self.compiled
+
+  def timing(self, arg_sets, flops, args):
+    try:
+      timing = time_compiled(self._ready(), arg_sets, iters=args.iters, min_iters=args.min_iters,
+                             budget_s=args.budget_s)
+    except Exception as error:
+      if "RESOURCE_EXHAUSTED" in str(error):  # memory depends on shapes only: later inputs would fail the same way
+        self.error = error_message(error)
+      raise
+    return {**timing, "tflops": tflops(flops, timing["median_ms"])}
+
+  def memory(self):
+    return {f"{name}_bytes": size for name, size in peak_memory(self._ready()).items()}
+
+
+def dense_beside_every_routing(rows: list[dict]) -> list[dict]:
+  """For plots: each "dense" row (equal groups, routing "equal") repeated once per routing."""
+  return [{**r, "routing": routing} if r["backend"] == "dense" else r
+          for r in rows for routing in (ROUTINGS if r["backend"] == "dense" else (None,))]
+
+
+def add_ratio(rows: list[dict], baseline: str, key_fields: Sequence[str]):
+  """Adds ``vs_<baseline>`` = tflops / tflops of the ``baseline`` row with the same ``key_fields``."""
+  key = lambda row: tuple(row.get(f) for f in key_fields)
+  base = {key(r): r["tflops"] for r in rows if r["backend"] == baseline and "tflops" in r}
+  for row in rows:
+    if row["backend"] != baseline and "tflops" in row and key(row) in base:
+      row[f"vs_{baseline}"] = round(row["tflops"] / base[key(row)], 3)
+
+
+def format_row(row: dict) -> str:
+  return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def print_table(rows: list[dict], columns: Sequence[str]):
+  """A compact text table of ``columns`` (missing entries blank; errors shortened)."""
+  def cell(row, column):
+    value = row.get(column, "")
+    if column == "error" and value:
+      return value[:60]
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+  cells = [[cell(row, c) for c in columns] for row in rows]
+  widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+  for line in cells:
+    print("  ".join(v.ljust(w) for v, w in zip(line, widths)))
+
+
+def write_results(name: str, out_dir: str, meta: dict, rows: list[dict], group_fields: Sequence[str],
+                  extra: dict | None = None, plot_rows: list[dict] | None = None) -> str:
+  """Writes ``<out_dir>/<name>.json`` ({commit, date, gpu, jax, rows, **extra}) and a TFLOP/s bar plot beside it.
+
+  The plot has one group of bars per distinct ``group_fields`` value, one bar per backend, from ``plot_rows``
+  (default ``rows``); failed rows show an "x".
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump({**meta, "rows": rows, **(extra or {})}, f, indent=1)
+  _plot(os.path.join(out_dir, f"{name}.png"), meta, rows if plot_rows is None else plot_rows, group_fields)
+  print(f"wrote {path} and {name}.png")
+  return path
+
+
+def _plot(path, meta, rows, group_fields):
+  import matplotlib  # noqa: PLC0415  (only the writer needs it)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  groups = list(dict.fromkeys(tuple(r.get(f) for f in group_fields) for r in rows))
+  backends = list(dict.fromkeys(r["backend"] for r in rows))
+  values = {(tuple(r.get(f) for f in group_fields), r["backend"]): r.get("tflops") for r in rows}
+  width = 0.8 / max(1, len(backends))
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) + 2), 4.5))
+  for i, backend in enumerate(backends):
+    xs = [g + (i - (len(backends) - 1) / 2) * width for g in range(len(groups))]
+    heights = [values.get((group, backend)) or 0.0 for group in groups]
+    ax.bar(xs, heights, width, label=backend, color=BACKEND_COLORS.get(backend))
+    for x, group in zip(xs, groups):
+      if values.get((group, backend)) is None and (group, backend) in values:
+        ax.text(x, 0, "x", ha="center", va="bottom", color="black", fontsize=7)  # failed: see the JSON's "error"
+  ax.set_xticks(range(len(groups)))
+  ax.set_xticklabels(["\n".join(str(v) for v in g) for g in groups], fontsize=7)
+  ax.set_ylabel("TFLOP/s")
+  ax.set_title(f"{os.path.basename(path)[:-4]} — {meta['gpu']}, jax {meta['jax']}, {meta['commit'][:12]}", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,299 @@
+// CPU twins of the grouped GEMM targets (jk_gmm, jk_gmm_swiglu, jk_gmm_swiglu_dgrad, jk_tgmm): plain loops with
+// float32 accumulation, the same row/group math and SwiGLU arithmetic as the sm90 kernels (kernels/grouped_gemm.h).
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ffi/ffi_util.h"
+#include "ffi/grouped_gemm_shapes.h"
+#include "ffi/registry.h"
+#include "kernels/grouped_gemm.h"
+
+namespace jk {
+namespace {
+
+namespace gg = grouped_gemm;
+using gg::GroupLayout;
+using gg::SwigluClamp;
+
+constexpr uint16_t kBf16Nan = 0x7FC0;
+
+// Weights of one group as a [K, N] operand: row-major [K, N], or [N, K] when transposed.
+struct WeightView {
+  const uint16_t* data;
+  int64_t k, n;
+  bool transposed;
+  float at(int64_t kk, int64_t nn) const {
+    return bf16_bits_to_float(transposed ? data[nn * k + kk] : data[kk * n + nn]);
+  }
+};
+
+// acc[0 .. n1 - n0) = lhs_row @ [w1; w2][:, n0 : n1] (w2 may have K = 0).
+void row_product(const uint16_t* lhs_row, const WeightView& w1, const WeightView& w2, int32_t n0, int32_t n1,
+                 float* acc) {
+  std::fill(acc, acc + (n1 - n0), 0.0f);
+  int64_t k_base = 0;
+  for (const WeightView* w : {&w1, &w2}) {
+    for (int64_t kk = 0; kk < w->k; ++kk) {
+      float a = bf16_bits_to_float(lhs_row[k_base + kk]);
+      for (int32_t nn = n0; nn < n1; ++nn) acc[nn - n0] += a * w->at(kk, nn);
+    }
+    k_base += w->k;
+  }
+}
+
+GroupLayout layout_of(ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& sizes, int64_t groups, int64_t rows) {
+  return {offsets.typed_data(), sizes.typed_data(), static_cast<int32_t>(groups), static_cast<int32_t>(rows)};
+}
+
+// Walks the kernels' row tiles (kernels/grouped_gemm.h): data_row(row, group, n0, n1, n_block) for data rows,
+// pad_row(row, n0, n1, n_block) for padding, tail and head rows. Outputs are NaN-filled first, so a row the tile
+// decomposition missed fails the tests as it would on the GPU.
+template <int kBlockN, typename DataRow, typename PadRow>
+void for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, PadRow pad_row) {
+  gg::RowTileScheduler<gg::kTileRows, kBlockN> scheduler(layout, n);
+  gg::RowTile tile;
+  for (int32_t t = 0; scheduler.get(layout, t, &tile); ++t) {
+    int32_t n1 = std::min(tile.n0 + kBlockN, n);
+    for (int32_t r = 0; r < tile.written; ++r) {
+      if (r < tile.valid) {
+        data_row(tile.row0 + r, tile.group, tile.n0, n1, tile.n_block);
+      } else {
+        pad_row(tile.row0 + r, tile.n0, n1, tile.n_block);
+      }
+    }
+  }
+}
+
+void store(void* out, ffi::DataType type, int64_t index, float value) {
+  if (type == ffi::F32) {
+    static_cast<float*>(out)[index] = value;
+  } else {
+    static_cast<uint16_t*>(out)[index] = gg::float_to_bf16_bits(value);
+  }
+}
+
+void poison(void* out, ffi::DataType type, size_t count) {
+  if (type == ffi::F32) {
+    std::fill_n(static_cast<float*>(out), count, std::numeric_limits<float>::quiet_NaN());
+  } else {
+    std::fill_n(static_cast<uint16_t*>(out), count, kBf16Nan);
+  }
+}
+
+ffi::Error check_rows(int64_t rows) {
+  JK_FFI_CHECK(rows < (int64_t{1} << 31), "grouped GEMM: more than 2^31 - 1 rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2,
+                  ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
+                  bool transpose_rhs) {
+  gg::GmmShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), rhs.dimensions(), rhs2.dimensions(), offsets.element_count(),
+                                       sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  ffi::DataType type = out->element_type();
+  JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
+  JK_FFI_CHECK(out->dimensions().size() == 2 && out->dimensions()[0] == s.rows && out->dimensions()[1] == s.n,
+               "jk_gmm: out must be [R, N]");
+  void* o = out->untyped_data();
+  poison(o, type, out->element_count());
+  std::vector<float> acc(gg::kTileCols);
+  for_each_tile_row<gg::kTileCols>(
+      layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.n),
+      [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
+        WeightView w1{rhs.typed_data() + g * s.k1 * s.n, s.k1, s.n, transpose_rhs};
+        WeightView w2{rhs2.typed_data() + g * s.k2 * s.n, s.k2, s.n, transpose_rhs};
+        row_product(lhs.typed_data() + r * (s.k1 + s.k2), w1, w2, n0, n1, acc.data());
+        for (int32_t c = n0; c < n1; ++c) store(o, type, r * s.n + c, acc[c - n0]);
+      },
+      [&](int64_t r, int32_t n0, int32_t n1, int32_t) {
+        for (int32_t c = n0; c < n1; ++c) store(o, type, r * s.n + c, 0.0f);
+      });
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
+                        ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                        ffi::ResultBuffer<ffi::BF16> act, ffi::ResultBuffer<ffi::BF16> gate_out,
+                        ffi::ResultBuffer<ffi::BF16> up_out, float swiglu_limit) {
+  gg::SwigluShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), w_gate.dimensions(), w_up.dimensions(),
+                                          gate_out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  SwigluClamp clamp{swiglu_limit};
+  uint16_t* outputs[3] = {act->typed_data(), s.save_preactivations ? gate_out->typed_data() : nullptr,
+                          s.save_preactivations ? up_out->typed_data() : nullptr};
+  for (uint16_t* o : outputs) {
+    if (o != nullptr) std::fill_n(o, s.rows * s.inner, kBf16Nan);
+  }
+  std::vector<float> gate(gg::kSwigluTileCols), up(gg::kSwigluTileCols);
+  WeightView none{nullptr, 0, s.inner, false};
+  for_each_tile_row<gg::kSwigluTileCols>(
+      layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
+      [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
+        const uint16_t* row = x.typed_data() + r * s.hidden;
+        row_product(row, {w_gate.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,
+                    gate.data());
+        row_product(row, {w_up.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,
+                    up.data());
+        for (int32_t c = n0; c < n1; ++c) {
+          int64_t i = r * s.inner + c;
+          outputs[0][i] = gg::float_to_bf16_bits(gg::swiglu(gate[c - n0], up[c - n0], clamp));
+          if (s.save_preactivations) {
+            outputs[1][i] = gg::float_to_bf16_bits(gate[c - n0]);
+            outputs[2][i] = gg::float_to_bf16_bits(up[c - n0]);
+          }
+        }
+      },
+      [&](int64_t r, int32_t n0, int32_t n1, int32_t) {
+        for (uint16_t* o : outputs) {
+          if (o != nullptr) std::fill(o + r * s.inner + n0, o + r * s.inner + n1, uint16_t{0});
+        }
+      });
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate,
+                             ffi::Buffer<ffi::BF16> up, ffi::Buffer<ffi::F32> row_weights,
+                             ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                             ffi::ResultBuffer<ffi::BF16> d_gate, ffi::ResultBuffer<ffi::BF16> d_up,
+                             ffi::ResultBuffer<ffi::F32> d_row_weights, float swiglu_limit) {
+  gg::DgradShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
+                                         row_weights.element_count(), offsets.element_count(), sizes.element_count(),
+                                         &s));
+  JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  SwigluClamp clamp{swiglu_limit};
+  std::fill_n(d_gate->typed_data(), s.rows * s.inner, kBf16Nan);
+  std::fill_n(d_up->typed_data(), s.rows * s.inner, kBf16Nan);
+  // Per-(n block, row) partials summed in block order afterwards: the kernels' deterministic reduction.
+  int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
+  std::vector<float> partials(n_blocks * s.rows, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> g(gg::kTileCols);
+  WeightView none{nullptr, 0, s.inner, true};
+  for_each_tile_row<gg::kTileCols>(
+      layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
+      [&](int64_t r, int32_t grp, int32_t n0, int32_t n1, int32_t n_block) {
+        // w_down[grp] is [I, H]: as the [K = H, N = I] operand it is transposed.
+        row_product(dy.typed_data() + r * s.hidden,
+                    {w_down.typed_data() + grp * s.inner * s.hidden, s.hidden, s.inner, true}, none, n0, n1, g.data());
+        float weight = row_weights.typed_data()[r];
+        float partial = 0.0f;
+        for (int32_t c = n0; c < n1; ++c) {
+          int64_t i = r * s.inner + c;
+          float gate_i = bf16_bits_to_float(gate.typed_data()[i]);
+          float up_i = bf16_bits_to_float(up.typed_data()[i]);
+          partial += g[c - n0] * gg::round_to_bf16(gg::swiglu(gate_i, up_i, clamp));
+          float dg, du;
+          gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du);
+          d_gate->typed_data()[i] = gg::float_to_bf16_bits(dg);
+          d_up->typed_data()[i] = gg::float_to_bf16_bits(du);
+        }
+        partials[n_block * s.rows + r] = partial;
+      },
+      [&](int64_t r, int32_t n0, int32_t n1, int32_t n_block) {
+        std::fill(d_gate->typed_data() + r * s.inner + n0, d_gate->typed_data() + r * s.inner + n1, uint16_t{0});
+        std::fill(d_up->typed_data() + r * s.inner + n0, d_up->typed_data() + r * s.inner + n1, uint16_t{0});
+        partials[n_block * s.rows + r] = 0.0f;
+      });
+  for (int64_t r = 0; r < s.rows; ++r) {
+    float sum = 0.0f;
+    for (int64_t b = 0; b < n_blocks; ++b) sum += partials[b * s.rows + r];
+    d_row_weights->typed_data()[r] = sum;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::F32> row_scale,
+                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
+  gg::TgmmShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), row_scale.element_count(),
+                                        out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  ffi::DataType type = out->element_type();
+  JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
+  void* o = out->untyped_data();
+  poison(o, type, out->element_count());
+  GroupLayout layout = layout_of(offsets, sizes, s.groups, s.rows);
+  constexpr int kM = gg::kTileRows, kN = gg::kTileCols;
+  std::vector<float> acc(kM * kN);
+  gg::ContractionTile tile;
+  for (int32_t t = 0;
+       gg::contraction_tile<kM, kN>(layout, static_cast<int32_t>(s.k), static_cast<int32_t>(s.n), t, &tile); ++t) {
+    int32_t m1 = std::min<int32_t>(tile.m0 + kM, s.k), n1 = std::min<int32_t>(tile.n0 + kN, s.n);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t r = tile.row0; r < tile.row0 + tile.valid; ++r) {
+      const uint16_t* a = lhs.typed_data() + r * s.k;
+      const uint16_t* b = rhs.typed_data() + r * s.n;
+      for (int32_t m = tile.m0; m < m1; ++m) {
+        // The kernels scale the bf16 lhs tile in place: the scaled operand is rounded to bf16.
+        float a_m = bf16_bits_to_float(a[m]);
+        if (s.has_row_scale) a_m = gg::round_to_bf16(a_m * row_scale.typed_data()[r]);
+        float* acc_row = acc.data() + (m - tile.m0) * kN;
+        for (int32_t c = tile.n0; c < n1; ++c) acc_row[c - tile.n0] += a_m * bf16_bits_to_float(b[c]);
+      }
+    }
+    for (int32_t m = tile.m0; m < m1; ++m) {
+      for (int32_t c = tile.n0; c < n1; ++c) {
+        store(o, type, (static_cast<int64_t>(tile.group) * s.k + m) * s.n + c, acc[(m - tile.m0) * kN + c - tile.n0]);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCpuHandler, GmmCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_rhs"));
+JK_REGISTER_FFI("jk_gmm", "cpu", GmmCpuHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCpuHandler, GmmSwigluCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<float>("swiglu_limit"));
+JK_REGISTER_FFI("jk_gmm_swiglu", "cpu", GmmSwigluCpuHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCpuHandler, GmmSwigluDgradCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("swiglu_limit"));
+JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "cpu", GmmSwigluDgradCpuHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCpuHandler, TgmmCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+JK_REGISTER_FFI("jk_tgmm", "cpu", TgmmCpuHandler);
+
+}  // namespace jk

@@ -1,0 +1,308 @@
+// CUDA bindings of jk_gmm, jk_gmm_swiglu, jk_gmm_swiglu_dgrad and jk_tgmm: tensor maps, launch configuration and
+// error checks around the sm90 kernels in kernels/sm90/grouped_gemm.cuh.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "ffi/ffi_util.h"
+#include "ffi/grouped_gemm_shapes.h"
+#include "ffi/registry.h"
+#include "kernels/sm90/grouped_gemm.cuh"
+
+namespace jk {
+namespace {
+
+namespace gg = grouped_gemm;
+namespace sm90 = grouped_gemm::sm90;
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: the module never links libcuda.
+ffi::Error tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* encode) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static cudaError_t status = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult query;
+    status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&fn), 12000,
+                                              cudaEnableDefault, &query);
+    if (status == cudaSuccess && query != cudaDriverEntryPointSuccess) status = cudaErrorSymbolNotFound;
+  });
+  JK_CUDA_CHECK(status);
+  *encode = fn;
+  return ffi::Error::Success();
+}
+
+// A bf16 tensor map with 128-byte swizzle; dims innermost first, strides in bytes for dims 1.., box per dim.
+template <int kRank>
+ffi::Error make_map(CUtensorMap* map, const void* base, const uint64_t (&dims)[kRank], const uint64_t (&strides)[kRank],
+                    const uint32_t (&box)[kRank]) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+  JK_FFI_RETURN_IF_ERROR(tensor_map_encoder(&encode));
+  cuuint64_t global_dims[kRank];
+  cuuint64_t global_strides[kRank];
+  cuuint32_t box_dims[kRank];
+  cuuint32_t element_strides[kRank];
+  for (int i = 0; i < kRank; ++i) {
+    global_dims[i] = dims[i];
+    global_strides[i] = strides[i];
+    box_dims[i] = box[i];
+    element_strides[i] = 1;
+  }
+  CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, kRank, const_cast<void*>(base), global_dims,
+                           global_strides + 1, box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  JK_FFI_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(result));
+  return ffi::Error::Success();
+}
+
+// Row-major [rows, cols] matrix, box [box_rows, 64].
+ffi::Error matrix_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, uint32_t box_rows) {
+  return make_map<2>(map, base, {uint64_t(cols), uint64_t(rows)}, {0, uint64_t(cols) * 2}, {64, box_rows});
+}
+
+// Row-major [groups, rows, cols] weights, box [1, box_rows, 64].
+ffi::Error weights_map(CUtensorMap* map, const void* base, int64_t groups, int64_t rows, int64_t cols,
+                       uint32_t box_rows) {
+  return make_map<3>(map, base, {uint64_t(cols), uint64_t(rows), uint64_t(groups)},
+                     {0, uint64_t(cols) * 2, uint64_t(rows) * uint64_t(cols) * 2}, {64, box_rows, 1});
+}
+
+struct Device {
+  int sms;
+};
+
+ffi::Error current_device(Device* device) {
+  int ordinal;
+  JK_CUDA_CHECK(cudaGetDevice(&ordinal));
+  JK_CUDA_CHECK(cudaDeviceGetAttribute(&device->sms, cudaDevAttrMultiProcessorCount, ordinal));
+  return ffi::Error::Success();
+}
+
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT>
+ffi::Error launch(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
+                  int64_t max_tiles) {
+  if (max_tiles <= 0) return ffi::Error::Success();
+  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT>;
+  // The 4-stage ring needs more than the default 48 KB of dynamic shared memory (a per-device setting).
+  JK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::kSmemBytes));
+  Device device;
+  JK_FFI_RETURN_IF_ERROR(current_device(&device));
+  int64_t grid = max_tiles < device.sms ? max_tiles : device.sms;
+  kernel<<<static_cast<unsigned>(grid), sm90::kThreads, sm90::kSmemBytes, stream>>>(maps, params);
+  JK_CUDA_CHECK(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+// Upper bound on gmm-type tiles (the device computes the exact count): every pseudo-group may add a partial tile.
+int64_t row_tile_bound(int64_t rows, int64_t groups, int64_t n, int64_t block_n) {
+  return (gg::ceil_div(rows, sm90::kBlockM) + groups + 2) * gg::ceil_div(n, block_n);
+}
+
+ffi::Error base_params(const int32_t* offsets, const int32_t* sizes, int64_t groups, int64_t rows, int64_t n,
+                       sm90::Params* p) {
+  JK_FFI_CHECK(rows < (int64_t{1} << 31), "grouped GEMM: more than 2^31 - 1 rows");
+  *p = sm90::Params{};
+  p->layout = {offsets, sizes, static_cast<int32_t>(groups), static_cast<int32_t>(rows)};
+  p->n = static_cast<int32_t>(n);
+  return ffi::Error::Success();
+}
+
+ffi::Error check_features(const char* op, std::initializer_list<int64_t> dims) {
+  for (int64_t d : dims) {
+    JK_FFI_CHECK(d % 64 == 0, std::string(op) + ": feature dims must be multiples of 64");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs,
+                   ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                   ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+  gg::GmmShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), rhs.dimensions(), rhs2.dimensions(), offsets.element_count(),
+                                       sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm", {s.k1, s.k2, s.n}));
+  JK_FFI_CHECK(s.k1 > 0 && s.n > 0, "jk_gmm: K1 and N must be positive");
+  ffi::DataType type = out->element_type();
+  JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
+  if (s.rows == 0) return ffi::Error::Success();
+  sm90::TensorMaps maps;
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1 + s.k2, sm90::kBlockM));
+  // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major 256-row box.
+  auto map_rhs = [&](CUtensorMap* map, const void* base, int64_t k) {
+    return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256) : weights_map(map, base, s.groups, k, s.n, 64);
+  };
+  JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b, rhs.untyped_data(), s.k1));
+  if (s.k2 > 0) {
+    JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b2, rhs2.untyped_data(), s.k2));
+  } else {
+    maps.b2 = maps.b;  // never read: there are no k steps over rhs2
+  }
+  sm90::Params p;
+  JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
+  p.k_steps1 = static_cast<int32_t>(s.k1 / sm90::kBlockK);
+  p.k_steps2 = static_cast<int32_t>(s.k2 / sm90::kBlockK);
+  p.out = out->untyped_data();
+  int64_t tiles = row_tile_bound(s.rows, s.groups, s.n, gg::kTileCols);
+  using M = sm90::Mode;
+  if (type == ffi::F32) {
+    return transpose_rhs ? launch<M::kGmm, false, float>(stream, maps, p, tiles)
+                         : launch<M::kGmm, true, float>(stream, maps, p, tiles);
+  }
+  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, maps, p, tiles)
+                       : launch<M::kGmm, true, uint16_t>(stream, maps, p, tiles);
+}
+
+ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
+                         ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                         ffi::ResultBuffer<ffi::BF16> act, ffi::ResultBuffer<ffi::BF16> gate_out,
+                         ffi::ResultBuffer<ffi::BF16> up_out, float swiglu_limit) {
+  gg::SwigluShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), w_gate.dimensions(), w_up.dimensions(),
+                                          gate_out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
+  JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
+  if (s.rows == 0) return ffi::Error::Success();
+  sm90::TensorMaps maps;
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, sm90::kBlockM));
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
+  sm90::Params p;
+  JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
+  p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
+  p.out = act->untyped_data();
+  p.out2 = s.save_preactivations ? gate_out->typed_data() : nullptr;
+  p.out3 = s.save_preactivations ? up_out->typed_data() : nullptr;
+  p.clamp = {swiglu_limit};
+  return launch<sm90::Mode::kSwiglu, true, uint16_t>(stream, maps, p, row_tile_bound(s.rows, s.groups, s.inner, gg::kSwigluTileCols));
+}
+
+ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,
+                              ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
+                              ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
+                              ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
+                              ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
+                              float swiglu_limit) {
+  gg::DgradShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
+                                         row_weights.element_count(), offsets.element_count(), sizes.element_count(),
+                                         &s));
+  JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
+  JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
+  if (s.rows == 0) return ffi::Error::Success();
+  int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
+  auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float), 256);
+  JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
+  sm90::TensorMaps maps;
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, sm90::kBlockM));
+  // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
+  maps.b2 = maps.b;  // never read
+  sm90::Params p;
+  JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
+  p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
+  p.out = d_gate->untyped_data();
+  p.out2 = d_up->typed_data();
+  p.gate_in = gate.typed_data();
+  p.up_in = up.typed_data();
+  p.row_weights = row_weights.typed_data();
+  p.row_weight_partials = static_cast<float*>(*allocation);
+  p.clamp = {swiglu_limit};
+  JK_FFI_RETURN_IF_ERROR((launch<sm90::Mode::kSwigluDgrad, false, uint16_t>(
+      stream, maps, p, row_tile_bound(s.rows, s.groups, s.inner, gg::kTileCols))));
+  constexpr int kThreads = 256;
+  sm90::sum_row_weight_partials<<<static_cast<unsigned>(gg::ceil_div(s.rows, kThreads)), kThreads, 0, stream>>>(
+      p.row_weight_partials, static_cast<int32_t>(n_blocks), s.rows, d_row_weights->typed_data());
+  JK_CUDA_CHECK(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs,
+                    ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                    ffi::Result<ffi::AnyBuffer> out) {
+  gg::TgmmShape s;
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), row_scale.element_count(),
+                                        out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
+  ffi::DataType type = out->element_type();
+  JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
+  if (s.groups == 0 || s.k == 0 || s.n == 0) return ffi::Error::Success();
+  int64_t tiles = s.groups * gg::ceil_div(s.k, sm90::kBlockM) * gg::ceil_div(s.n, gg::kTileCols);
+  size_t out_bytes = static_cast<size_t>(s.groups * s.k * s.n) * (type == ffi::F32 ? 4 : 2);
+  if (s.rows == 0) {  // no rows, so no tensor maps: every group is empty
+    JK_CUDA_CHECK(cudaMemsetAsync(out->untyped_data(), 0, out_bytes, stream));
+    return ffi::Error::Success();
+  }
+  sm90::TensorMaps maps;
+  // Both operands MN-major: 64 contraction rows x 64 features per box.
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k, 64));
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.b, rhs.untyped_data(), s.rows, s.n, 64));
+  maps.b2 = maps.b;  // never read
+  sm90::Params p;
+  JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
+  p.m_extent = static_cast<int32_t>(s.k);
+  p.out = out->untyped_data();
+  p.row_scale = s.has_row_scale ? row_scale.typed_data() : nullptr;
+  return type == ffi::F32 ? launch<sm90::Mode::kTgmm, true, float>(stream, maps, p, tiles)
+                          : launch<sm90::Mode::kTgmm, true, uint16_t>(stream, maps, p, tiles);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCudaHandler, GmmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_rhs"));
+JK_REGISTER_FFI("jk_gmm", "CUDA", GmmCudaHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCudaHandler, GmmSwigluCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<float>("swiglu_limit"));
+JK_REGISTER_FFI("jk_gmm_swiglu", "CUDA", GmmSwigluCudaHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCudaHandler, GmmSwigluDgradCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("swiglu_limit"));
+JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "CUDA", GmmSwigluDgradCudaHandler);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCudaHandler, TgmmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+JK_REGISTER_FFI("jk_tgmm", "CUDA", TgmmCudaHandler);
+
+}  // namespace jk

@@ -1,0 +1,94 @@
+// Operand shape checks of the grouped GEMM targets, shared by the CPU twins and the CUDA bindings. Python checks
+// the same constraints at trace time with clearer messages; these keep a direct FFI call from reading out of bounds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ffi/ffi_util.h"
+
+namespace jk {
+namespace grouped_gemm {
+
+// jk_gmm: lhs [R, K1 + K2] x (rhs [G, K1, N] + rhs2 [G, K2, N]) or, transposed, rhs [G, N, K1] + rhs2 [G, N, K2].
+struct GmmShape {
+  int64_t rows, k1, k2, n, groups;
+};
+
+inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> rhs2,
+                            int64_t offsets_count, int64_t sizes_count, bool transpose_rhs, GmmShape* shape) {
+  JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 3 && rhs2.size() == 3, "jk_gmm: lhs must be 2-D, rhs and rhs2 3-D");
+  int64_t groups = rhs[0];
+  int64_t n = transpose_rhs ? rhs[1] : rhs[2];
+  int64_t k1 = transpose_rhs ? rhs[2] : rhs[1];
+  int64_t n2 = transpose_rhs ? rhs2[1] : rhs2[2];
+  int64_t k2 = transpose_rhs ? rhs2[2] : rhs2[1];
+  JK_FFI_CHECK(rhs2[0] == groups && (n2 == n || k2 == 0), "jk_gmm: rhs2 must match rhs in groups and N");
+  JK_FFI_CHECK(lhs[1] == k1 + k2, "jk_gmm: lhs columns must be K1 + K2");
+  JK_FFI_CHECK(offsets_count == groups + 1 && sizes_count == groups, "jk_gmm: group_offsets [G+1], group_sizes [G]");
+  *shape = {lhs[0], k1, k2, n, groups};
+  return ffi::Error::Success();
+}
+
+// jk_gmm_swiglu: x_rows [R, H] x w_gate, w_up [G, H, I]; gate/up outputs [R, I] or [0, I] when not saved.
+struct SwigluShape {
+  int64_t rows, hidden, inner, groups;
+  bool save_preactivations;
+};
+
+inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w_gate,
+                               ffi::Span<const int64_t> w_up, ffi::Span<const int64_t> saved, int64_t offsets_count,
+                               int64_t sizes_count, SwigluShape* shape) {
+  JK_FFI_CHECK(x.size() == 2 && w_gate.size() == 3 && w_up.size() == 3 && saved.size() == 2,
+               "jk_gmm_swiglu: x_rows 2-D, weights 3-D");
+  JK_FFI_CHECK(w_gate[0] == w_up[0] && w_gate[1] == w_up[1] && w_gate[2] == w_up[2],
+               "jk_gmm_swiglu: w_gate and w_up must have one shape");
+  JK_FFI_CHECK(x[1] == w_gate[1], "jk_gmm_swiglu: x_rows columns must be H");
+  JK_FFI_CHECK(offsets_count == w_gate[0] + 1 && sizes_count == w_gate[0],
+               "jk_gmm_swiglu: group_offsets [G+1], group_sizes [G]");
+  JK_FFI_CHECK((saved[0] == x[0] || saved[0] == 0) && saved[1] == w_gate[2],
+               "jk_gmm_swiglu: saved gate/up must be [R, I] or [0, I]");
+  *shape = {x[0], w_gate[1], w_gate[2], w_gate[0], saved[0] != 0};
+  return ffi::Error::Success();
+}
+
+// jk_gmm_swiglu_dgrad: dy_rows [R, H] x w_down [G, I, H]^T; gate, up [R, I]; row_weights [R].
+struct DgradShape {
+  int64_t rows, hidden, inner, groups;
+};
+
+inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, ffi::Span<const int64_t> w_down,
+                              ffi::Span<const int64_t> gate, ffi::Span<const int64_t> up, int64_t row_weights_count,
+                              int64_t offsets_count, int64_t sizes_count, DgradShape* shape) {
+  JK_FFI_CHECK(dy.size() == 2 && w_down.size() == 3 && gate.size() == 2 && up.size() == 2,
+               "jk_gmm_swiglu_dgrad: dy_rows, gate, up 2-D; w_down 3-D");
+  JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy_rows columns must be H (w_down [G, I, H])");
+  JK_FFI_CHECK(gate[0] == dy[0] && gate[1] == w_down[1] && up[0] == dy[0] && up[1] == w_down[1],
+               "jk_gmm_swiglu_dgrad: gate and up must be [R, I]");
+  JK_FFI_CHECK(row_weights_count == dy[0], "jk_gmm_swiglu_dgrad: row_weights must be [R]");
+  JK_FFI_CHECK(offsets_count == w_down[0] + 1 && sizes_count == w_down[0],
+               "jk_gmm_swiglu_dgrad: group_offsets [G+1], group_sizes [G]");
+  *shape = {dy[0], w_down[2], w_down[1], w_down[0]};
+  return ffi::Error::Success();
+}
+
+// jk_tgmm: lhs [R, K], rhs [R, N], row_scale [R] or [0] -> out [G, K, N].
+struct TgmmShape {
+  int64_t rows, k, n, groups;
+  bool has_row_scale;
+};
+
+inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, int64_t row_scale_count,
+                             ffi::Span<const int64_t> out, int64_t offsets_count, int64_t sizes_count,
+                             TgmmShape* shape) {
+  JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 2 && out.size() == 3, "jk_tgmm: lhs, rhs 2-D; out 3-D");
+  JK_FFI_CHECK(rhs[0] == lhs[0], "jk_tgmm: lhs and rhs must have the same rows");
+  JK_FFI_CHECK(row_scale_count == lhs[0] || row_scale_count == 0, "jk_tgmm: row_scale must be [R] or [0]");
+  JK_FFI_CHECK(out[1] == lhs[1] && out[2] == rhs[1], "jk_tgmm: out must be [G, K, N]");
+  JK_FFI_CHECK(offsets_count == out[0] + 1 && sizes_count == out[0], "jk_tgmm: group_offsets [G+1], group_sizes [G]");
+  *shape = {lhs[0], lhs[1], rhs[1], out[0], row_scale_count != 0};
+  return ffi::Error::Success();
+}
+
+}  // namespace grouped_gemm
+}  // namespace jk

@@ -1,0 +1,204 @@
+"""The kittens backend of `moe_ffn`: the routed-expert MoE layer as a pipeline of fused kernels, with a custom VJP.
+
+Forward (kernels in order; a jk_* target each):
+  schedule (jk_schedule, align = grouped_matmul.ROW_ALIGN) -> gather tokens into expert-major rows (jk_moe_gather)
+  -> gate/up grouped GEMM with SwiGLU in the epilogue (jk_gmm_swiglu) -> down grouped GEMM (jk_gmm)
+  -> weighted top-k combine back to tokens (jk_moe_combine: float32, fixed slot order, no atomics).
+Shared experts run beside the routed ones as one-group GEMMs over the tokens themselves (every token is routed to
+them with weight 1 in token order, so they need no gather): jk_gmm_swiglu + jk_gmm, and their output enters the
+combine as its addend (no extra pass over y).
+
+Backward (`jax.custom_vjp`):
+  gather x and dy into rows, with the router weights scattered to rows (jk_moe_gather x2)
+  [recompute=True: gate/up again with jk_gmm_swiglu]
+  -> down dgrad with the SwiGLU backward and the router-weight gradient in its epilogue (jk_gmm_swiglu_dgrad)
+  -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm, transpose_rhs, rhs2)
+  -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
+  weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down with the router weights as row
+  scale), and d(router weights) gathered from the rows back to [T, k].
+``recompute=False`` keeps the gate/up pre-activations from the forward ([R, I] bf16 each, R =
+``num_schedule_rows(T*k, E, ROW_ALIGN)``); ``recompute=True`` keeps only the inputs and the schedule.
+
+All operands are bfloat16 with float32 accumulation; H, I (and the shared experts' Is) must be multiples of
+``grouped_matmul.FEATURE_ALIGN``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kittens import grouped_matmul, permute, reference, routing
+from jax_kittens.moe_stats import MoEStats
+
+
+def unsupported_reason(x, w_gate, shared_experts=None) -> str | None:
+  """Why the kittens kernels cannot run this layer (dtype, feature sizes), or None when they can."""
+  if x.dtype != jnp.bfloat16:
+    return f"the kittens backend needs bfloat16 x and expert weights, got {x.dtype}"
+  align = grouped_matmul.FEATURE_ALIGN
+  sizes = {"hidden (x.shape[1])": x.shape[1], "intermediate (w_gate.shape[2])": w_gate.shape[2]}
+  if shared_experts is not None:
+    sizes["shared intermediate (shared_experts[0].shape[1])"] = shared_experts[0].shape[1]
+  for name, size in sizes.items():
+    if size % align:
+      return f"the kittens backend needs {name} to be a multiple of {align}, got {size}"
+  return None
+
+
+class _Layout:
+  """Row groups of one grouped-GEMM call: group_offsets [G+1] int32, group_sizes [G] int32."""
+
+  def __init__(self, offsets, sizes):
+    self.offsets, self.sizes = offsets, sizes
+
+  @classmethod
+  def of_schedule(cls, schedule):
+    return cls(schedule.expert_offsets, schedule.tokens_per_expert)
+
+  @classmethod
+  def one_group(cls, num_rows):
+    return cls(jnp.array([0, num_rows], jnp.int32), jnp.array([num_rows], jnp.int32))
+
+  def gmm_swiglu(self, x_rows, w_gate, w_up, limit, save):
+    return grouped_matmul.gmm_swiglu(x_rows, w_gate, w_up, self.offsets, self.sizes, swiglu_limit=limit,
+                                     save_preactivations=save)
+
+  def gmm(self, lhs, rhs, **kwargs):
+    return grouped_matmul.gmm(lhs, rhs, self.offsets, self.sizes, **kwargs)
+
+  def tgmm(self, lhs, rhs, out_dtype, **kwargs):
+    return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype, **kwargs)
+
+  def dgrad(self, dy_rows, w_down, gate, up, row_weights, limit):
+    return grouped_matmul.gmm_swiglu_dgrad(dy_rows, w_down, gate, up, row_weights, self.offsets, self.sizes,
+                                           swiglu_limit=limit)
+
+
+def _num_rows(ids, num_experts):
+  return routing.num_schedule_rows(ids.size, num_experts, grouped_matmul.ROW_ALIGN)
+
+
+def _experts_forward(layout, x_rows, w_gate, w_up, w_down, limit, save):
+  """SwiGLU experts over rows -> (out_rows [R, H] bf16, (gate, up) [R, I] bf16 each when ``save``, else None)."""
+  hidden = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, save)
+  act, preactivations = (hidden[0], hidden[1:]) if save else (hidden, None)
+  return layout.gmm(act, w_down), preactivations
+
+
+def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down, preactivations, limit):
+  """Gradients of the experts over rows: (d_x_rows [R, H], d_row_weights [R] f32, (dW_gate, dW_up, dW_down)).
+
+  dy_rows is the unweighted gradient of each row's token; row_weights scales it (the router weight of the row).
+  preactivations: the forward's (gate, up), or None to recompute them.
+  """
+  if preactivations is None:
+    act, gate, up = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, True)
+  else:
+    gate, up = preactivations
+    # Elementwise from the bf16 pre-activations: the hidden the dgrad epilogue uses for d_row_weights too.
+    act = reference.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit).astype(gate.dtype)
+  d_gate, d_up, d_row_weights = layout.dgrad(dy_rows, w_down, gate, up, row_weights, limit)
+  d_x_rows = layout.gmm(jnp.concatenate([d_gate, d_up], axis=1), w_gate, transpose_rhs=True, rhs2=w_up)
+  d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
+  d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
+  d_w_down = layout.tgmm(act, dy_rows, w_down.dtype, row_scale=row_weights)
+  return d_x_rows, d_row_weights, (d_w_gate, d_w_up, d_w_down)
+
+
+def _stacked(shared_experts):
+  """(w_gate [H, Is], w_up [H, Is], w_down [Is, H]) -> the same as one-group grouped-GEMM weights [1, ...]."""
+  return tuple(w[None] for w in shared_experts)
+
+
+def _forward(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, save):
+  """y [T, H] and what the backward keeps: (schedule, routed (gate, up) or None, shared (gate, up) or None)."""
+  sched = routing.schedule(ids, w_gate.shape[0], align=grouped_matmul.ROW_ALIGN, backend="kittens")
+  layout = _Layout.of_schedule(sched)
+  x_rows = permute.gather_rows(x, sched, _num_rows(ids, w_gate.shape[0]))
+  out_rows, preactivations = _experts_forward(layout, x_rows, w_gate, w_up, w_down, limit, save)
+  shared_y, shared_preactivations = None, None
+  if shared_experts is not None:
+    shared_y, shared_preactivations = _experts_forward(_Layout.one_group(x.shape[0]), x, *_stacked(shared_experts),
+                                                       limit, save)
+  y = permute.combine(out_rows, sched.rows, weights.astype(jnp.float32), addend=shared_y)
+  return y, (sched, preactivations, shared_preactivations)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _moe(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, recompute):
+  del recompute
+  return _forward(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, save=False)[0]
+
+
+def _moe_fwd(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, recompute):
+  y, saved = _forward(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, save=not recompute)
+  return y, (x, weights, w_gate, w_up, w_down, shared_experts, *saved)
+
+
+def _moe_bwd(limit, recompute, residuals, d_y):
+  del recompute  # the residuals say what was kept
+  x, weights, w_gate, w_up, w_down, shared_experts, sched, preactivations, shared_preactivations = residuals
+  d_y = d_y.astype(x.dtype)
+  num_rows = _num_rows(sched.rows, w_gate.shape[0])
+  x_rows, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
+  dy_rows = permute.gather_rows(d_y, sched, num_rows)
+  d_x_rows, d_row_weights, d_routed = _experts_backward(_Layout.of_schedule(sched), x_rows, dy_rows, row_weights,
+                                                        w_gate, w_up, w_down, preactivations, limit)
+  d_shared, d_x_shared = None, None
+  if shared_experts is not None:
+    ones = jnp.ones((x.shape[0],), jnp.float32)
+    d_x_shared, _, d_stacked = _experts_backward(_Layout.one_group(x.shape[0]), x, d_y, ones,
+                                                 *_stacked(shared_experts), shared_preactivations, limit)
+    d_shared = tuple(d[0] for d in d_stacked)
+  d_x = permute.combine(d_x_rows, sched.rows, addend=d_x_shared)
+  d_weights = permute.slots_of_rows(d_row_weights, sched.rows).astype(weights.dtype)
+  d_ids = np.zeros(sched.rows.shape, jax.dtypes.float0)
+  return (d_x, d_weights, d_ids, *d_routed, d_shared)
+
+
+_moe.defvjp(_moe_fwd, _moe_bwd)
+
+
+def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, *, shared_experts: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+            swiglu_limit: float | None = None, axis_name: str | None = None, recompute: bool = False,
+            capacity_factor: float | None = None, return_stats: bool = False):
+  """The MoE SwiGLU layer on the kittens kernels (one device; see `jax_kittens.moe.moe_ffn` for the contract).
+
+  Args:
+    x: [T, H] bfloat16 tokens.
+    weights: [T, k] float router weights (used in float32).
+    ids: [T, k] int32 expert ids; ids outside [0, E) are dropped (counted in the stats).
+    w_gate, w_up: [E, H, I] bfloat16; w_down: [E, I, H] bfloat16. H and I multiples of FEATURE_ALIGN.
+    shared_experts: optional (w_gate [H, Is], w_up [H, Is], w_down [Is, H]) bfloat16, Is a multiple of FEATURE_ALIGN.
+    swiglu_limit: optional clamp (gate <= limit, up in [-limit, limit]) before silu(gate) * up.
+    axis_name: must be None here (expert parallelism is `jax_kittens.expert_parallel`).
+    recompute: keep only the inputs for the backward and recompute gate/up there (lower peak memory).
+    capacity_factor: must be None (it bounds expert-parallel receives).
+    return_stats: also return a `MoEStats`.
+
+  Returns:
+    y: [T, H] bfloat16, or ``(y, MoEStats)`` with ``return_stats``.
+  """
+  from jax_kittens import moe  # noqa: PLC0415 (moe imports this module lazily; the validation lives there)
+
+  shared_experts = None if shared_experts is None else tuple(shared_experts)
+  moe.check_moe_args(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, swiglu_limit=swiglu_limit,
+                     axis_name=axis_name, backend="kittens", recompute=recompute, capacity_factor=capacity_factor,
+                     return_stats=return_stats)
+  if axis_name is not None:
+    raise ValueError("jax_kittens.fused_moe.moe_ffn runs on one device: for axis_name use jax_kittens.moe_ffn, which "
+                     "routes expert parallelism to jax_kittens.expert_parallel")
+  reason = unsupported_reason(x, w_gate, shared_experts)
+  if reason is not None:
+    raise ValueError(f"{reason}; use backend='xla' for other layers")
+  limit = None if swiglu_limit is None else float(swiglu_limit)
+  y = _moe(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, bool(recompute))
+  if not return_stats:
+    return y
+  received = jnp.sum((ids >= 0) & (ids < w_gate.shape[0]), dtype=jnp.int32)
+  return y, MoEStats(jnp.int32(ids.size) - received, received)

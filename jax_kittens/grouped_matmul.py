@@ -1,0 +1,312 @@
+"""Grouped (ragged) matrix products over expert-major rows: the GEMMs of the kittens MoE backend.
+
+Row layout: group ``g`` owns rows ``[group_offsets[g], group_offsets[g+1])`` of the row buffers; the first
+``group_sizes[g]`` of them hold data and the rest are alignment padding (``jax_kittens.schedule(..., align=ROW_ALIGN)``
+produces this layout). Every op writes every output row: data rows get their result, padding rows and the tail
+``[group_offsets[G], R)`` get 0. Input padding rows never reach a result.
+
+Each op is one FFI target: ``jk_gmm``, ``jk_gmm_swiglu``, ``jk_gmm_swiglu_dgrad``, ``jk_tgmm``: the sm90 CUDA kernels
+on GPU (kernels/sm90/grouped_gemm.cuh) and their CPU twins elsewhere (ffi/grouped_gemm.cc). Operands are bfloat16,
+products accumulate in float32. ``K`` and ``N`` (every contracted and every output feature dim) must be multiples of
+``FEATURE_ALIGN``; ``R`` and the group sizes are arbitrary.
+
+`ragged_dot` is the public drop-in for `jax.lax.ragged_dot`, with its VJP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kittens import _extension
+
+ROW_ALIGN = 128
+"""Rows per GEMM tile: ``schedule(..., align=ROW_ALIGN)`` makes every group start on a tile."""
+
+FEATURE_ALIGN = 64
+"""Contracted and output feature dims must be multiples of this (the kernels' 64-wide K step / N sub-tile)."""
+
+BACKENDS = ("auto", "kittens", "xla")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks (trace time).
+
+def _check_array(name, x, ndim, dtypes=(jnp.bfloat16,)):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if x.ndim != ndim:
+    raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+  if x.dtype not in dtypes:
+    names = ", ".join(str(jnp.dtype(d)) for d in dtypes)
+    raise TypeError(f"{name} must be {names}, got {x.dtype}")
+
+
+def _check_feature(name, size):
+  if size % FEATURE_ALIGN or size == 0:
+    raise ValueError(f"{name}={size} must be a positive multiple of {FEATURE_ALIGN}")
+
+
+def _check_groups(group_offsets, group_sizes, num_groups):
+  _check_array("group_offsets", group_offsets, 1, (jnp.int32,))
+  _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
+  if group_sizes.shape != (num_groups,):
+    raise ValueError(f"group_sizes must have shape [G={num_groups}], got {tuple(group_sizes.shape)}")
+  if group_offsets.shape != (num_groups + 1,):
+    raise ValueError(f"group_offsets must have shape [G+1={num_groups + 1}], got {tuple(group_offsets.shape)}")
+
+
+def _check_rows(name, x, rows):
+  if x.shape[0] != rows:
+    raise ValueError(f"{name} must have {rows} rows (as lhs / the row buffers), got shape {tuple(x.shape)}")
+
+
+def _check_out_dtype(out_dtype):
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+  return out_dtype
+
+
+def _limit_attr(swiglu_limit):
+  if swiglu_limit is None:
+    return np.float32(0.0)
+  if not isinstance(swiglu_limit, int | float | np.floating | np.integer) or not swiglu_limit > 0:
+    raise ValueError(f"swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+  return np.float32(swiglu_limit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FFI ops.
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
+        transpose_rhs: bool = False, rhs2: jax.Array | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """Grouped GEMM over row groups: ``out[r] = lhs[r] @ rhs[g]`` for the data rows r of group g.
+
+  Args:
+    lhs: [R, K] bf16 rows (K = K1 + K2 when ``rhs2`` is given).
+    rhs: [G, K1, N] bf16, or [G, N, K1] when ``transpose_rhs`` (then ``out[r] = lhs[r] @ rhs[g].T``).
+    group_offsets: [G+1] int32 first row of each group (nondecreasing; the last entry ends the groups).
+    group_sizes: [G] int32 data rows of each group (<= its extent).
+    transpose_rhs: rhs (and rhs2) are [G, N, K*] (the dgrad of a forward GEMM with the same weights).
+    rhs2: optional second weight in rhs's layout, [G, K2, N] or [G, N, K2]: lhs[:, :K1] contracts with rhs and
+      lhs[:, K1:] with rhs2 (``d_gate @ W_gate.T + d_up @ W_up.T`` without concatenating the weights).
+    out_dtype: bfloat16 (default) or float32.
+
+  Returns:
+    [R, N] out_dtype; padding and tail rows are 0.
+  """
+  _check_array("lhs", lhs, 2)
+  _check_array("rhs", rhs, 3)
+  num_groups = rhs.shape[0]
+  n, k1 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+  if rhs2 is None:
+    rhs2 = jnp.zeros((num_groups, n, 0) if transpose_rhs else (num_groups, 0, n), jnp.bfloat16)
+    k2 = 0
+  else:
+    _check_array("rhs2", rhs2, 3)
+    n2, k2 = (rhs2.shape[1], rhs2.shape[2]) if transpose_rhs else (rhs2.shape[2], rhs2.shape[1])
+    if rhs2.shape[0] != num_groups or n2 != n:
+      raise ValueError(f"rhs2 must match rhs in groups and output dim ({num_groups}, N={n}), got shape "
+                       f"{tuple(rhs2.shape)}")
+    _check_feature("rhs2 contraction dim K2", k2)
+  _check_feature("rhs contraction dim K1", k1)
+  _check_feature("output dim N", n)
+  if lhs.shape[1] != k1 + k2:
+    raise ValueError(f"lhs must have K1 + K2 = {k1 + k2} columns, got shape {tuple(lhs.shape)}")
+  _check_groups(group_offsets, group_sizes, num_groups)
+  out_dtype = _check_out_dtype(out_dtype)
+  out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)
+  return jax.ffi.ffi_call("jk_gmm", out_type, vmap_method="sequential")(
+      lhs, rhs, rhs2, group_offsets, group_sizes, transpose_rhs=bool(transpose_rhs))
+
+
+def gmm_swiglu(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: jax.Array,
+               group_sizes: jax.Array, *, swiglu_limit: float | None = None, save_preactivations: bool = False):
+  """Gate and up grouped GEMMs with SwiGLU fused into the epilogue.
+
+  Args:
+    x_rows: [R, H] bf16 expert-major rows.
+    w_gate, w_up: [G, H, I] bf16.
+    group_offsets: [G+1] int32; group_sizes: [G] int32 (see the module docstring).
+    swiglu_limit: optional clamp, gate to <= limit and up to [-limit, limit], before ``silu(gate) * up``.
+    save_preactivations: also return the unclamped gate and up products (for the backward).
+
+  Returns:
+    act [R, I] bf16 = swiglu(x_rows @ w_gate[g], x_rows @ w_up[g]) computed from the float32 products, or
+    (act, gate [R, I] bf16, up [R, I] bf16) when ``save_preactivations``. Padding rows are 0.
+  """
+  _check_array("x_rows", x_rows, 2)
+  _check_array("w_gate", w_gate, 3)
+  _check_array("w_up", w_up, 3)
+  if w_up.shape != w_gate.shape:
+    raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+  num_groups, hidden, inner = w_gate.shape
+  if x_rows.shape[1] != hidden:
+    raise ValueError(f"x_rows must have H={hidden} columns (w_gate is [G, H, I]), got shape {tuple(x_rows.shape)}")
+  _check_feature("H", hidden)
+  _check_feature("I", inner)
+  _check_groups(group_offsets, group_sizes, num_groups)
+  limit = _limit_attr(swiglu_limit)
+  rows = x_rows.shape[0]
+  saved_rows = rows if save_preactivations else 0
+  out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
+               jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16),
+               jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16))
+  act, gate, up = jax.ffi.ffi_call("jk_gmm_swiglu", out_types, vmap_method="sequential")(
+      x_rows, w_gate, w_up, group_offsets, group_sizes, swiglu_limit=limit)
+  return (act, gate, up) if save_preactivations else act
+
+
+def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.Array, row_weights: jax.Array,
+                     group_offsets: jax.Array, group_sizes: jax.Array, *, swiglu_limit: float | None = None):
+  """Down-projection dgrad with the SwiGLU backward and the router-weight gradient fused into the epilogue.
+
+  With ``g = dy_rows[r] @ w_down[grp].T`` (float32) and ``act = bf16(swiglu(gate, up))`` (the forward's hidden):
+  ``d_row_weights[r] = sum_i g[i] * act[i]`` (a deterministic reduction), ``d_act = row_weights[r] * g``, and
+  d_gate, d_up the SwiGLU backward of d_act (zero where the clamp was active, 1/2 on its bound, as JAX's min/max).
+
+  Args:
+    dy_rows: [R, H] bf16 gradient of the (unweighted) expert outputs' rows.
+    w_down: [G, I, H] bf16.
+    gate, up: [R, I] bf16 forward pre-activations (from ``gmm_swiglu(..., save_preactivations=True)``).
+    row_weights: [R] float32 router weight of each row.
+    group_offsets: [G+1] int32; group_sizes: [G] int32.
+    swiglu_limit: the forward's clamp.
+
+  Returns:
+    (d_gate [R, I] bf16, d_up [R, I] bf16, d_row_weights [R] float32); padding rows are 0.
+  """
+  _check_array("dy_rows", dy_rows, 2)
+  _check_array("w_down", w_down, 3)
+  _check_array("gate", gate, 2)
+  _check_array("up", up, 2)
+  _check_array("row_weights", row_weights, 1, (jnp.float32,))
+  num_groups, inner, hidden = w_down.shape
+  rows = dy_rows.shape[0]
+  if dy_rows.shape[1] != hidden:
+    raise ValueError(f"dy_rows must have H={hidden} columns (w_down is [G, I, H]), got shape "
+                     f"{tuple(dy_rows.shape)}")
+  for name, x in (("gate", gate), ("up", up)):
+    if x.shape != (rows, inner):
+      raise ValueError(f"{name} must have shape [R={rows}, I={inner}], got {tuple(x.shape)}")
+  if row_weights.shape != (rows,):
+    raise ValueError(f"row_weights must have shape [R={rows}], got {tuple(row_weights.shape)}")
+  _check_feature("H", hidden)
+  _check_feature("I", inner)
+  _check_groups(group_offsets, group_sizes, num_groups)
+  out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
+               jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
+               jax.ShapeDtypeStruct((rows,), jnp.float32))
+  return tuple(jax.ffi.ffi_call("jk_gmm_swiglu_dgrad", out_types, vmap_method="sequential")(
+      dy_rows, w_down, gate, up, row_weights, group_offsets, group_sizes, swiglu_limit=_limit_attr(swiglu_limit)))
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
+         row_scale: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
+  """Grouped GEMM contracting the ragged row dim (weight gradients): ``out[g] = sum_r lhs[r]^T (s_r rhs[r])``.
+
+  Args:
+    lhs: [R, K] bf16.
+    rhs: [R, N] bf16.
+    group_offsets: [G+1] int32; group_sizes: [G] int32; the sum runs over the data rows of group g.
+    row_scale: optional [R] float32 scale s_r of each row (applied to lhs[r], rounded to bf16); 1 when None.
+    out_dtype: float32 (default) or bfloat16.
+
+  Returns:
+    [G, K, N] out_dtype; groups without data rows give 0.
+  """
+  _check_array("lhs", lhs, 2)
+  _check_array("rhs", rhs, 2)
+  rows, k = lhs.shape
+  _check_rows("rhs", rhs, rows)
+  _check_feature("lhs dim K", k)
+  _check_feature("rhs dim N", rhs.shape[1])
+  _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
+  num_groups = group_sizes.shape[0]
+  _check_groups(group_offsets, group_sizes, num_groups)
+  if row_scale is None:
+    row_scale = jnp.zeros((0,), jnp.float32)
+  else:
+    _check_array("row_scale", row_scale, 1, (jnp.float32,))
+    if row_scale.shape != (rows,):
+      raise ValueError(f"row_scale must have shape [R={rows}], got {tuple(row_scale.shape)}")
+  out_dtype = _check_out_dtype(out_dtype)
+  out_type = jax.ShapeDtypeStruct((num_groups, k, rhs.shape[1]), out_dtype)
+  return jax.ffi.ffi_call("jk_tgmm", out_type, vmap_method="sequential")(
+      lhs, rhs, row_scale, group_offsets, group_sizes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ragged_dot: the public drop-in.
+
+def _offsets_of(group_sizes):
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot_kittens(lhs, rhs, group_sizes, out_dtype):
+  return gmm(lhs, rhs, _offsets_of(group_sizes), group_sizes, out_dtype=out_dtype)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype):
+  return _ragged_dot_kittens(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+
+
+def _ragged_dot_bwd(out_dtype, residuals, d_out):
+  del out_dtype
+  lhs, rhs, group_sizes = residuals
+  offsets = _offsets_of(group_sizes)
+  d_out = d_out.astype(jnp.bfloat16)
+  d_lhs = gmm(d_out, rhs, offsets, group_sizes, transpose_rhs=True)
+  d_rhs = tgmm(lhs, d_out, offsets, group_sizes, out_dtype=jnp.float32).astype(rhs.dtype)
+  return d_lhs, d_rhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+def _kittens_supports(lhs, rhs, group_sizes):
+  return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and group_sizes.dtype == jnp.int32
+          and lhs.shape[1] % FEATURE_ALIGN == 0 and rhs.shape[2] % FEATURE_ALIGN == 0 and lhs.shape[1] > 0
+          and rhs.shape[2] > 0)
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
+               backend: str = "auto") -> jax.Array:
+  """Drop-in for `jax.lax.ragged_dot` (same semantics and VJP): ``out[r] = lhs[r] @ rhs[g]`` for the rows of group g.
+
+  Args:
+    lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int32, consecutive row groups from row 0 (any sizes, 0 included;
+      rows past ``sum(group_sizes)`` give 0).
+    preferred_element_type: output dtype (default lhs.dtype).
+    backend: "kittens" (the grouped GEMM kernels: bf16 operands, K and N multiples of FEATURE_ALIGN; anything else
+      raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens when its CUDA kernels run here and the operands are
+      supported, else xla).
+
+  Returns:
+    [M, N] preferred_element_type.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  _check_array("lhs", lhs, 2, (lhs.dtype,) if hasattr(lhs, "dtype") else ())
+  _check_array("rhs", rhs, 3, (rhs.dtype,) if hasattr(rhs, "dtype") else ())
+  _check_array("group_sizes", group_sizes, 1, (group_sizes.dtype,) if hasattr(group_sizes, "dtype") else ())
+  if rhs.shape[1] != lhs.shape[1]:
+    raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N] to match lhs [M, K], got shape {tuple(rhs.shape)}")
+  if group_sizes.shape != rhs.shape[:1]:
+    raise ValueError(f"group_sizes must have shape [G={rhs.shape[0]}], got {tuple(group_sizes.shape)}")
+  out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+  if backend == "auto":
+    supported = _kittens_supports(lhs, rhs, group_sizes) and out_dtype in (jnp.bfloat16, jnp.float32)
+    backend = "kittens" if supported and _extension.cuda_available() else "xla"
+  if backend == "xla":
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+  if not _kittens_supports(lhs, rhs, group_sizes):
+    raise ValueError("backend='kittens' needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of "
+                     f"{FEATURE_ALIGN}; got lhs {lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, "
+                     f"group_sizes {group_sizes.dtype}")
+  return _ragged_dot_kittens(lhs, rhs, group_sizes, _check_out_dtype(out_dtype))
+
+
+_ragged_dot_kittens.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

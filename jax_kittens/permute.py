@@ -1,0 +1,125 @@
+"""Token <-> expert-major row permutations of the fused MoE pipeline: `gather_rows` and `combine`.
+
+Row layout: a `jax_kittens.Schedule` sends entry (t, j) of a [T, k] routing to row ``rows[t, j]`` of [R, H]
+expert-major buffers (``-1``: nowhere); expert e's data rows are ``[expert_offsets[e], expert_offsets[e] +
+tokens_per_expert[e])`` and every other row is padding.
+
+Each op is one FFI target: ``jk_moe_gather`` and ``jk_moe_combine``, CUDA kernels on GPU (kernels/moe_permute.cuh) and
+their CPU twins elsewhere (ffi/moe_permute.cc). Both are deterministic (no atomics). They are not differentiable on
+their own: `jax_kittens.fused_moe` uses each as the other's transpose in its VJP.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kittens.routing import Schedule
+
+_VALUE_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _check_array(name, x, ndim):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if x.ndim != ndim:
+    raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+
+
+def _check_slots(name, x, slots_shape, dtype):
+  _check_array(name, x, 2)
+  if tuple(x.shape) != tuple(slots_shape):
+    raise ValueError(f"{name} must have the routing's shape [T, k] = {tuple(slots_shape)}, got {tuple(x.shape)}")
+  if x.dtype != dtype:
+    raise TypeError(f"{name} must be {jnp.dtype(dtype)}, got {x.dtype}")
+
+
+def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax.Array | None = None,
+                poison_outputs: bool = False):
+  """Tokens into expert-major rows: ``x_rows[rows[t, j]] = x[t]``; padding rows are 0.
+
+  Args:
+    x: [T, H] tokens, any dtype (copied bit for bit).
+    schedule: the routing's `Schedule` (rows [T, k], expert_offsets [E+1], tokens_per_expert [E]).
+    num_rows: R, the static row count of the buffers (``jax_kittens.num_schedule_rows``).
+    weights: optional [T, k] float32 router weights: also return them scattered to the rows (padding rows 0).
+    poison_outputs: fill the outputs with NaN before the kernel writes them (tests: a missed row shows up); the CPU
+      twin always does.
+
+  Returns:
+    x_rows [R, H] x.dtype, or (x_rows, row_weights [R] float32) when ``weights`` is given.
+  """
+  _check_array("x", x, 2)
+  rows, offsets, counts = schedule.rows, schedule.expert_offsets, schedule.tokens_per_expert
+  _check_array("schedule.rows", rows, 2)
+  if rows.shape[0] != x.shape[0] or rows.dtype != jnp.int32:
+    raise ValueError(f"schedule.rows must be [T={x.shape[0]}, k] int32, got {rows.dtype}{tuple(rows.shape)}")
+  if counts.ndim != 1 or offsets.shape != (counts.shape[0] + 1,):
+    raise ValueError(f"schedule must have tokens_per_expert [E] and expert_offsets [E+1], got "
+                     f"{tuple(counts.shape)} and {tuple(offsets.shape)}")
+  if not isinstance(num_rows, int | np.integer) or num_rows < 0 or num_rows >= 2**31:
+    raise ValueError(f"num_rows must be an int in [0, 2^31), got {num_rows!r}")
+  with_row_weights = weights is not None
+  if with_row_weights:
+    _check_slots("weights", weights, rows.shape, jnp.float32)
+  else:
+    weights = jnp.zeros((0,), jnp.float32)
+  out_types = (jax.ShapeDtypeStruct((num_rows, x.shape[1]), x.dtype),
+               jax.ShapeDtypeStruct((num_rows if with_row_weights else 0,), jnp.float32))
+  x_rows, row_weights = jax.ffi.ffi_call("jk_moe_gather", out_types, vmap_method="sequential")(
+      x, rows, weights, offsets, counts, poison_outputs=bool(poison_outputs))
+  return (x_rows, row_weights) if with_row_weights else x_rows
+
+
+def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None, *, addend: jax.Array | None = None,
+            poison_outputs: bool = False) -> jax.Array:
+  """Expert-major rows back to tokens: ``y[t] = addend[t] + sum_j weights[t, j] * values[rows[t, j]]``.
+
+  The sum runs in float32 in slot order j = 0..k-1 (a fused multiply-add per slot, the addend last) and is rounded
+  once: the same bits on every run. Slots with row -1 contribute nothing. With ``weights=None`` (all 1) it is the
+  un-permute sum, the transpose of `gather_rows`.
+
+  Args:
+    values: [R, H] bfloat16 or float32 expert-major rows.
+    rows: [T, k] int32 schedule rows.
+    weights: optional [T, k] float32 per-slot weights (None: 1).
+    addend: optional [T, H] values.dtype added to each token's sum (e.g. the shared experts' output).
+    poison_outputs: fill y with NaN before the kernel writes it (tests); the CPU twin always does.
+
+  Returns:
+    y: [T, H] values.dtype.
+  """
+  _check_array("values", values, 2)
+  if values.dtype not in _VALUE_DTYPES:
+    raise TypeError(f"values must be bfloat16 or float32, got {values.dtype}")
+  _check_array("rows", rows, 2)
+  if rows.dtype != jnp.int32:
+    raise TypeError(f"rows must be int32, got {rows.dtype}")
+  if values.shape[0] >= 2**31:
+    raise ValueError(f"values must have fewer than 2^31 rows, got {values.shape[0]}")
+  num_tokens, hidden = rows.shape[0], values.shape[1]
+  if weights is None:
+    weights = jnp.zeros((0,), jnp.float32)
+  else:
+    _check_slots("weights", weights, rows.shape, jnp.float32)
+  if addend is None:
+    addend = jnp.zeros((0, hidden), values.dtype)
+  else:
+    _check_array("addend", addend, 2)
+    if tuple(addend.shape) != (num_tokens, hidden) or addend.dtype != values.dtype:
+      raise ValueError(f"addend must be [T={num_tokens}, H={hidden}] {values.dtype}, got "
+                       f"{addend.dtype}{tuple(addend.shape)}")
+  out_type = jax.ShapeDtypeStruct((num_tokens, hidden), values.dtype)
+  return jax.ffi.ffi_call("jk_moe_combine", out_type, vmap_method="sequential")(
+      values, rows, weights, addend, poison_outputs=bool(poison_outputs))
+
+
+def slots_of_rows(row_values: jax.Array, rows: jax.Array) -> jax.Array:
+  """Per-row values back to the routing's slots: ``out[t, j] = row_values[rows[t, j]]`` (0 where the row is -1).
+
+  row_values: [R] (e.g. the router-weight gradient of each row); rows: [T, k] int32 -> [T, k] row_values.dtype.
+  A [T, k] gather: XLA fuses it into one small kernel.
+  """
+  placed = (rows >= 0) & (rows < row_values.shape[0])
+  return jnp.where(placed, row_values[jnp.where(placed, rows, 0)], jnp.zeros((), row_values.dtype))

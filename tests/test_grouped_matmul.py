@@ -1,0 +1,401 @@
+"""Grouped GEMM targets (jk_gmm, jk_gmm_swiglu, jk_gmm_swiglu_dgrad, jk_tgmm) and jax_kittens.ragged_dot.
+
+Oracles: float64 numpy over the same bf16 inputs, and jax.lax.ragged_dot. The CPU tests run the CPU twins; the
+`gpu` tests run the same checks through the sm90 kernels at sizes that fill the GPU, with NaN-poisoned outputs.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kittens import grouped_matmul as gm
+from jax_kittens import routing
+
+BF16_TOL = 2e-2  # relative Frobenius error of bf16 operands/results with f32 accumulation (typ. 3e-3)
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(out)), "non-finite values in the output"
+  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def bf16(rng, *shape, scale=1.0):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def aligned_layout(sizes, align, total_rows):
+  """group_sizes -> (group_offsets, group_sizes) with each group starting on a multiple of align."""
+  sizes = np.asarray(sizes, np.int32)
+  padded = (sizes + align - 1) // align * align
+  offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+  assert offsets[-1] <= total_rows
+  return jnp.asarray(offsets), jnp.asarray(sizes)
+
+
+def data_rows_of(offsets, sizes):
+  """[(group, row)] for every data row."""
+  return [(g, r) for g in range(len(sizes)) for r in range(int(offsets[g]), int(offsets[g]) + int(sizes[g]))]
+
+
+def gmm_oracle(lhs, rhs, offsets, sizes, transpose_rhs=False, rhs2=None):
+  lhs, rhs = f64(lhs), f64(rhs)
+  if transpose_rhs:
+    rhs = rhs.transpose(0, 2, 1)
+  if rhs2 is not None:
+    rhs2 = f64(rhs2)
+    rhs = np.concatenate([rhs, rhs2.transpose(0, 2, 1) if transpose_rhs else rhs2], axis=1)
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  for g, (begin, size) in enumerate(zip(np.asarray(offsets)[:-1], np.asarray(sizes))):
+    out[begin:begin + size] = lhs[begin:begin + size] @ rhs[g]
+  return out
+
+
+def swiglu64(gate, up, limit):
+  if limit is not None:
+    gate = np.minimum(gate, limit)
+    up = np.clip(up, -limit, limit)
+  return gate / (1 + np.exp(-gate)) * up
+
+
+SIZE_CASES = {
+    "skewed_with_empty": [37, 0, 130, 1, 0, 90],
+    "all_in_one": [0, 0, 257, 0],
+    "all_empty": [0, 0, 0],
+    "single_rows": [1, 1, 1, 1, 1],
+}
+
+
+@pytest.mark.parametrize("case", SIZE_CASES)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gmm_padded_layout(case, out_dtype):
+  rng = np.random.default_rng(len(case))
+  sizes = SIZE_CASES[case]
+  rows = sum((s + 127) // 128 * 128 for s in sizes) + 70  # a tail past the last group
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  lhs, rhs = bf16(rng, rows, 128), bf16(rng, len(sizes), 128, 64)
+  out = gm.gmm(lhs, rhs, offsets, group_sizes, out_dtype=out_dtype)
+  assert out.shape == (rows, 64) and out.dtype == out_dtype
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes)
+  if np.any(ref):
+    assert rel_err(out, ref) < BF16_TOL
+  # Padding and tail rows are exactly 0.
+  is_data = np.zeros(rows, bool)
+  for _, r in data_rows_of(np.asarray(offsets), sizes):
+    is_data[r] = True
+  assert np.all(f64(out)[~is_data] == 0)
+
+
+def test_gmm_rows_outside_every_group_are_zero():
+  """Rows before group_offsets[0] and after group_offsets[G] belong to no group: written as 0."""
+  rng = np.random.default_rng(9)
+  offsets = jnp.asarray([130, 200, 200, 330], jnp.int32)
+  group_sizes = jnp.asarray([70, 0, 100], jnp.int32)
+  lhs, rhs = bf16(rng, 400, 64), bf16(rng, 3, 64, 320)
+  out = f64(gm.gmm(lhs, rhs, offsets, group_sizes))
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes)
+  assert rel_err(out, ref) < BF16_TOL
+  assert np.all(out[:130] == 0) and np.all(out[300:] == 0)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gmm_transpose_and_rhs2(transpose_rhs):
+  rng = np.random.default_rng(1)
+  sizes = [50, 0, 77]
+  offsets, group_sizes = aligned_layout(sizes, 64, 256)
+  lhs = bf16(rng, 256, 192)
+  shape1, shape2 = ((3, 64, 128), (3, 64, 64)) if transpose_rhs else ((3, 128, 64), (3, 64, 64))
+  rhs, rhs2 = bf16(rng, *shape1), bf16(rng, *shape2)
+  out = gm.gmm(lhs, rhs, offsets, group_sizes, transpose_rhs=transpose_rhs, rhs2=rhs2)
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs, rhs2)
+  assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("limit", [None, 1.5])
+def test_gmm_swiglu(limit):
+  rng = np.random.default_rng(2)
+  sizes = [70, 0, 200, 3]
+  rows = 600
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  x, w_gate, w_up = bf16(rng, rows, 128), bf16(rng, 4, 128, 128, scale=0.1), bf16(rng, 4, 128, 128, scale=0.1)
+  act, gate, up = gm.gmm_swiglu(x, w_gate, w_up, offsets, group_sizes, swiglu_limit=limit, save_preactivations=True)
+  gate_ref = gmm_oracle(x, w_gate, offsets, group_sizes)
+  up_ref = gmm_oracle(x, w_up, offsets, group_sizes)
+  assert rel_err(gate, gate_ref) < BF16_TOL and rel_err(up, up_ref) < BF16_TOL
+  assert rel_err(act, swiglu64(gate_ref, up_ref, limit)) < BF16_TOL
+  if limit is not None:
+    assert np.mean(np.abs(up_ref) > limit) > 0.05  # the clamp is exercised
+  act_only = gm.gmm_swiglu(x, w_gate, w_up, offsets, group_sizes, swiglu_limit=limit)
+  np.testing.assert_array_equal(f64(act_only), f64(act))
+
+
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_gmm_swiglu_dgrad_matches_autodiff(limit):
+  rng = np.random.default_rng(3)
+  sizes = [40, 130, 0, 9]
+  rows = 520
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  inner, hidden = 128, 64
+  gate, up = bf16(rng, rows, inner), bf16(rng, rows, inner)
+  dy, w_down = bf16(rng, rows, hidden), bf16(rng, 4, inner, hidden, scale=0.1)
+  row_weights = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+  d_gate, d_up, d_weights = gm.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, offsets, group_sizes,
+                                                swiglu_limit=limit)
+  # Oracle: autodiff of  sum_r <dy[r], w_r * (swiglu(gate, up)[r] @ w_down[g])>  over data rows, in float64 numpy
+  # form: g = dy @ w_down^T; d_act = w * g; d_w = <g, act>.
+  g = gmm_oracle(dy, w_down, offsets, group_sizes, transpose_rhs=True)
+  gate64, up64 = f64(gate), f64(up)
+  gate_c = np.minimum(gate64, limit) if limit is not None else gate64
+  up_c = np.clip(up64, -limit, limit) if limit is not None else up64
+  sig = 1 / (1 + np.exp(-gate_c))
+  act = gate_c * sig * up_c
+  d_act = f64(row_weights)[:, None] * g
+  gate_mask = np.where(gate64 < limit, 1.0, np.where(gate64 == limit, 0.5, 0.0)) if limit is not None else 1.0
+  up_mask = (np.where(np.abs(up64) < limit, 1.0, np.where(np.abs(up64) == limit, 0.5, 0.0))
+             if limit is not None else 1.0)
+  d_gate_ref = d_act * up_c * sig * (1 + gate_c * (1 - sig)) * gate_mask
+  d_up_ref = d_act * gate_c * sig * up_mask
+  assert rel_err(d_gate, d_gate_ref) < BF16_TOL
+  assert rel_err(d_up, d_up_ref) < BF16_TOL
+  assert rel_err(d_weights, np.sum(g * act, axis=1)) < BF16_TOL
+  is_data = np.zeros(rows, bool)
+  for _, r in data_rows_of(np.asarray(offsets), sizes):
+    is_data[r] = True
+  assert np.all(f64(d_weights)[~is_data] == 0) and np.all(f64(d_gate)[~is_data] == 0)
+
+
+@pytest.mark.parametrize("with_scale", [False, True])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_tgmm(with_scale, out_dtype):
+  rng = np.random.default_rng(4)
+  sizes = [33, 0, 150, 1]
+  rows = 530
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  lhs, rhs = bf16(rng, rows, 128), bf16(rng, rows, 64)
+  # Padding rows of the inputs must not reach the result, even when they hold non-finite garbage.
+  lhs = lhs.at[40:128].set(jnp.nan)
+  row_scale = jnp.asarray(rng.uniform(0.5, 2.0, rows), jnp.float32) if with_scale else None
+  out = gm.tgmm(lhs, rhs, offsets, group_sizes, row_scale=row_scale, out_dtype=out_dtype)
+  assert out.shape == (4, 128, 64) and out.dtype == out_dtype
+  ref = np.zeros((4, 128, 64))
+  scale = f64(row_scale) if with_scale else np.ones(rows)
+  for g, r in data_rows_of(np.asarray(offsets), sizes):
+    ref[g] += np.outer(f64(lhs[r]) * scale[r], f64(rhs[r]))
+  assert rel_err(out, ref) < BF16_TOL
+  assert np.all(f64(out)[1] == 0)
+
+
+@pytest.mark.parametrize("case", ["skewed", "all_in_one", "with_empty", "short"])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_ragged_dot_matches_lax(case, out_dtype):
+  rng = np.random.default_rng(5)
+  m, k, n = 301, 128, 192
+  sizes = {"skewed": [200, 3, 0, 98], "all_in_one": [0, 301, 0, 0], "with_empty": [0, 150, 0, 151],
+           "short": [10, 20, 0, 5]}[case]  # "short": rows past sum(group_sizes) are 0
+  lhs, rhs = bf16(rng, m, k), bf16(rng, 4, k, n)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  out = gm.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, backend="kittens")
+  ref = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+  assert out.dtype == ref.dtype and out.shape == ref.shape
+  assert rel_err(out, ref) < BF16_TOL
+  assert np.all(f64(out)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("case", ["skewed", "all_in_one"])
+def test_ragged_dot_vjp_matches_lax(case):
+  rng = np.random.default_rng(6)
+  m, k, n = 200, 64, 128
+  sizes = {"skewed": [120, 0, 80], "all_in_one": [0, 0, 190]}[case]
+  lhs, rhs, cotangent = bf16(rng, m, k), bf16(rng, 3, k, n), bf16(rng, m, n)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+
+  def loss(fn, lhs, rhs):
+    out = fn(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.sum(out * cotangent.astype(jnp.float32))
+
+  ours = jax.grad(functools.partial(loss, functools.partial(gm.ragged_dot, backend="kittens")), argnums=(0, 1))
+  theirs = jax.grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1))
+  for got, want in zip(jax.jit(ours)(lhs, rhs), theirs(lhs, rhs)):
+    assert got.dtype == want.dtype
+    assert rel_err(got, want) < BF16_TOL
+
+
+def test_ragged_dot_auto_falls_back_for_unsupported_shapes():
+  rng = np.random.default_rng(7)
+  lhs, rhs = bf16(rng, 10, 24), bf16(rng, 2, 24, 40)
+  group_sizes = jnp.asarray([4, 6], jnp.int32)
+  np.testing.assert_array_equal(f64(gm.ragged_dot(lhs, rhs, group_sizes)),
+                                f64(jax.lax.ragged_dot(lhs, rhs, group_sizes)))
+  with pytest.raises(ValueError, match="multiples of 64"):
+    gm.ragged_dot(lhs, rhs, group_sizes, backend="kittens")
+
+
+def test_argument_errors():
+  x = jnp.zeros((128, 64), jnp.bfloat16)
+  w = jnp.zeros((2, 64, 64), jnp.bfloat16)
+  offsets, sizes = jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)
+  with pytest.raises(TypeError, match="lhs must be bfloat16"):
+    gm.gmm(x.astype(jnp.float32), w, offsets, sizes)
+  with pytest.raises(ValueError, match="group_offsets must have shape"):
+    gm.gmm(x, w, sizes, sizes)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    gm.gmm(x[:, :32], w[:, :32], offsets, sizes)
+  with pytest.raises(ValueError, match="lhs must have K1 \\+ K2"):
+    gm.gmm(x, w, offsets, sizes, rhs2=w)
+  with pytest.raises(ValueError, match="swiglu_limit"):
+    gm.gmm_swiglu(x, w, w, offsets, sizes, swiglu_limit=-1.0)
+  with pytest.raises(ValueError, match="row_scale must have shape"):
+    gm.tgmm(x, x, offsets, sizes, row_scale=jnp.ones((5,), jnp.float32))
+  with pytest.raises(ValueError, match="backend"):
+    gm.ragged_dot(x, w, sizes, backend="cuda")
+
+
+def test_schedule_layout_feeds_gmm():
+  """The kittens row layout end to end: schedule(align=ROW_ALIGN) offsets drive gmm over gathered rows."""
+  rng = np.random.default_rng(8)
+  tokens, top_k, experts = 96, 2, 4
+  ids = jnp.asarray(rng.integers(0, experts, (tokens, top_k)), jnp.int32)
+  sched = routing.schedule(ids, experts, align=gm.ROW_ALIGN)
+  rows = routing.num_schedule_rows(tokens * top_k, experts, gm.ROW_ALIGN)
+  x = bf16(rng, tokens, 64)
+  token_of_row = np.zeros(rows, np.int64)
+  token_of_row[np.asarray(sched.rows).reshape(-1)] = np.arange(tokens * top_k) // top_k
+  x_rows = x[token_of_row]
+  w = bf16(rng, experts, 64, 64)
+  out = gm.gmm(x_rows, w, sched.expert_offsets, sched.tokens_per_expert)
+  flat_rows = np.asarray(sched.rows).reshape(-1)
+  flat_ids = np.asarray(ids).reshape(-1)
+  ref = np.stack([f64(x[i // top_k]) @ f64(w[flat_ids[i]]) for i in range(tokens * top_k)])
+  assert rel_err(f64(out)[flat_rows], ref) < BF16_TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the sm90 kernels at sizes that fill the chip, outputs poisoned with NaN first.
+
+GPU_SHAPES = [  # (rows M, K, N, groups)
+    (65536, 7168, 2048, 48),
+    (65536, 2048, 7168, 48),
+    (20000, 4096, 1024, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,groups", GPU_SHAPES)
+def test_gpu_ragged_dot_large(m, k, n, groups):
+  rng = np.random.default_rng(m + k)
+  lhs = bf16(rng, m, k)
+  rhs = bf16(rng, groups, k, n, scale=k ** -0.5)
+  raw = rng.dirichlet(np.full(groups, 0.3)) * (m - 123)  # skewed, some near-empty groups
+  sizes = np.floor(raw).astype(np.int32)
+  sizes[3] = 0
+  group_sizes = jnp.asarray(sizes)
+  out = jax.jit(functools.partial(gm.ragged_dot, backend="kittens"))(lhs, rhs, group_sizes)
+  ref = jax.jit(functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32))(lhs, rhs, group_sizes)
+  assert rel_err(out, ref) < 1e-2
+  assert np.all(np.asarray(out[int(sizes.sum()):], np.float32) == 0)
+
+
+def poison_device_memory(num_bytes):
+  """Fills and frees num_bytes of device memory with NaN: XLA's allocator hands the freed chunk to the next
+  allocation of that size, so an output element a kernel fails to write stays NaN (rel_err rejects non-finite)."""
+  poison = jnp.full((num_bytes // 2,), jnp.nan, jnp.bfloat16)
+  poison.block_until_ready()
+  poison.delete()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_gpu_gmm_outputs_fully_written(transpose_rhs):
+  rng = np.random.default_rng(11)
+  rows, k, n = 8192 + 77, 1024, 768
+  sizes = [1000, 0, 3000, 129, 0, 2000]
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  lhs = bf16(rng, rows, k)
+  rhs = bf16(rng, len(sizes), *((n, k) if transpose_rhs else (k, n)), scale=k ** -0.5)
+  fn = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs))
+  fn(lhs, rhs, offsets, group_sizes).block_until_ready()  # compile first: compilation allocates too
+  poison_device_memory(rows * n * 2)
+  out = fn(lhs, rhs, offsets, group_sizes)
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs)
+  assert rel_err(out, ref) < 1e-2
+  assert np.all(f64(out)[int(offsets[-1]):] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_gpu_swiglu_and_dgrad(limit):
+  rng = np.random.default_rng(12)
+  groups, hidden, inner = 16, 2048, 1024
+  sizes = rng.integers(0, 900, groups).astype(np.int32)
+  sizes[0] = 0
+  rows = int(((sizes + 127) // 128 * 128).sum()) + 128
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  x = bf16(rng, rows, hidden)
+  w_gate, w_up = bf16(rng, groups, hidden, inner, scale=4 * hidden ** -0.5), bf16(rng, groups, hidden, inner,
+                                                                                   scale=4 * hidden ** -0.5)
+  act, gate, up = jax.jit(functools.partial(gm.gmm_swiglu, swiglu_limit=limit, save_preactivations=True))(
+      x, w_gate, w_up, offsets, group_sizes)
+  gate_ref = gmm_gpu_reference(x, w_gate, offsets, sizes)
+  up_ref = gmm_gpu_reference(x, w_up, offsets, sizes)
+  assert rel_err(gate, gate_ref) < 1e-2 and rel_err(up, up_ref) < 1e-2
+  assert rel_err(act, swiglu64(gate_ref, up_ref, limit)) < 1e-2
+  dy = bf16(rng, rows, hidden)
+  w_down = bf16(rng, groups, inner, hidden, scale=inner ** -0.5)
+  row_weights = jnp.asarray(rng.uniform(0.1, 1, rows), jnp.float32)
+  d_gate, d_up, d_w = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=limit))(
+      dy, w_down, gate, up, row_weights, offsets, group_sizes)
+  g = gmm_gpu_reference(dy, jnp.swapaxes(w_down, 1, 2), offsets, sizes)
+  gate64, up64 = f64(gate), f64(up)
+  act64 = swiglu64(gate64, up64, limit)
+  assert rel_err(d_w, np.sum(g * f64(jnp.asarray(act64, jnp.bfloat16)), axis=1)) < 1e-2
+  gate_c = np.minimum(gate64, limit) if limit else gate64
+  up_c = np.clip(up64, -limit, limit) if limit else up64
+  sig = 1 / (1 + np.exp(-gate_c))
+  d_act = f64(row_weights)[:, None] * g
+  d_up_ref = d_act * gate_c * sig * (np.abs(up64) < limit if limit else 1.0)
+  d_gate_ref = d_act * up_c * sig * (1 + gate_c * (1 - sig)) * (gate64 < limit if limit else 1.0)
+  assert rel_err(d_gate, d_gate_ref) < 1e-2 and rel_err(d_up, d_up_ref) < 1e-2
+
+
+def gmm_gpu_reference(lhs, rhs, offsets, sizes):
+  """float32-accumulated per-group jnp.dot on the device, as float64 numpy (padding rows 0)."""
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  offsets = np.asarray(offsets)
+  for g, size in enumerate(sizes):
+    if size:
+      begin = int(offsets[g])
+      out[begin:begin + size] = np.asarray(
+          jnp.dot(lhs[begin:begin + size], rhs[g], preferred_element_type=jnp.float32), np.float64)
+  return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_gpu_tgmm(with_scale):
+  rng = np.random.default_rng(13)
+  groups, k, n = 12, 2048, 1024
+  sizes = rng.integers(0, 2000, groups).astype(np.int32)
+  sizes[1] = 0
+  rows = int(sizes.sum()) + 50
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))  # unaligned groups
+  lhs, rhs = bf16(rng, rows, k), bf16(rng, rows, n)
+  row_scale = jnp.asarray(rng.uniform(0.5, 2, rows), jnp.float32) if with_scale else None
+  out = jax.jit(functools.partial(gm.tgmm, row_scale=row_scale))(lhs, rhs, offsets, jnp.asarray(sizes))
+  offsets = np.asarray(offsets)
+  for g in range(groups):
+    a = lhs[offsets[g]:offsets[g] + sizes[g]]
+    if with_scale:
+      a = (a.astype(jnp.float32) * row_scale[offsets[g]:offsets[g] + sizes[g], None]).astype(jnp.bfloat16)
+    ref = np.asarray(jnp.dot(a.T, rhs[offsets[g]:offsets[g] + sizes[g]], preferred_element_type=jnp.float32))
+    if sizes[g] == 0:
+      assert np.all(np.asarray(out[g]) == 0)
+    else:
+      assert rel_err(out[g], ref) < 1e-2

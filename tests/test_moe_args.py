@@ -1,0 +1,148 @@
+"""The public `moe_ffn`: argument validation, backend resolution and the "xla" path."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_kittens import moe, reference
+from moe_oracle import random_layer
+
+T, H, I, E, K = 9, 8, 6, 4, 2
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
+def _layer(**changes):
+  layer = random_layer(np.random.default_rng(0), T, H, I, E, K, shared=5)
+  layer.update(changes)
+  return layer
+
+
+def _call(layer, **options):
+  layer = dict(layer)
+  args = [layer.pop(name) for name in ("x", "weights", "ids", "w_gate", "w_up", "w_down")]
+  return moe.moe_ffn(*args, **layer, **options)
+
+
+f32 = np.float32
+BAD = [
+    # (what changes, error type, words the message must contain)
+    (dict(x=np.zeros((T, H, 1), f32)), ValueError, "x must have shape"),
+    (dict(x=np.zeros((T, H), np.int32)), TypeError, "x must be"),
+    (dict(x=[[0.0] * H] * T), TypeError, "x must be an array"),
+    (dict(weights=np.zeros((T + 1, K), f32)), ValueError, "weights must have shape"),
+    (dict(weights=np.zeros((T, K), np.int32)), TypeError, "weights must be"),
+    (dict(ids=np.zeros((T, K + 1), np.int32)), ValueError, "ids must have the shape of weights"),
+    (dict(ids=np.zeros((T, K), np.int64)), TypeError, "ids must be int32"),
+    (dict(ids=np.zeros((T, K), f32)), TypeError, "ids must be int32"),
+    (dict(w_gate=np.zeros((E, H + 1, I), f32)), ValueError, "w_gate must have shape"),
+    (dict(w_gate=np.zeros((H, I), f32)), ValueError, "w_gate must have shape"),
+    (dict(w_up=np.zeros((E + 1, H, I), f32)), ValueError, "w_up must have w_gate's shape"),
+    (dict(w_down=np.zeros((E, H, I), f32)), ValueError, "w_down must have shape"),
+    (dict(w_down=np.zeros((E - 1, I, H), f32)), ValueError, "w_down must have shape"),
+    (dict(w_up=np.zeros((E, H, I), np.float16)), TypeError, "w_up must have x's dtype"),
+    (dict(weights=np.zeros((T, E + 1), f32), ids=np.zeros((T, E + 1), np.int32)), ValueError, "top_k"),
+    (dict(shared_experts=(np.zeros((H, 5), f32),) * 2), TypeError, "shared_experts must be a tuple"),
+    (dict(shared_experts=(np.zeros((H + 1, 5), f32), np.zeros((H + 1, 5), f32), np.zeros((5, H), f32))),
+     ValueError, "shared_experts[0] (w_gate)"),
+    (dict(shared_experts=(np.zeros((H, 5), f32), np.zeros((H, 4), f32), np.zeros((5, H), f32))),
+     ValueError, "shared_experts[1] (w_up)"),
+    (dict(shared_experts=(np.zeros((H, 5), f32), np.zeros((H, 5), f32), np.zeros((4, H), f32))),
+     ValueError, "shared_experts[2] (w_down)"),
+    (dict(shared_experts=(np.zeros((H, 5), f32), np.zeros((H, 5), f32), np.zeros((5, H), np.float16))),
+     TypeError, "shared_experts[2] must have x's dtype"),
+]
+
+
+@pytest.mark.parametrize("changes,error,words", BAD)
+def test_bad_arrays_raise(changes, error, words):
+  with pytest.raises(error, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    _call(_layer(**changes), backend="xla")
+
+
+@pytest.mark.parametrize("options,error,words", [
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(swiglu_limit=0.0), ValueError, "swiglu_limit must be a finite number > 0"),
+    (dict(swiglu_limit=-1.0), ValueError, "swiglu_limit must be a finite number > 0"),
+    (dict(swiglu_limit=float("inf")), ValueError, "swiglu_limit must be a finite number > 0"),
+    (dict(swiglu_limit=jnp.float32(1.0)), TypeError, "swiglu_limit must be a Python number"),
+    (dict(capacity_factor=1.0), ValueError, "capacity_factor .* needs axis_name"),
+    (dict(capacity_factor=0.0), ValueError, "capacity_factor must be a finite number > 0"),
+    (dict(recompute=1), TypeError, "recompute must be a bool"),
+    (dict(return_stats="yes"), TypeError, "return_stats must be a bool"),
+    (dict(axis_name=3), TypeError, "axis_name must be a str"),
+    (dict(axis_name="ep"), ValueError, "inside jax.shard_map"),
+])
+def test_bad_options_raise(options, error, words):
+  with pytest.raises(error, match=words):
+    _call(_layer(), backend=options.pop("backend", "xla"), **options)
+
+
+def test_axis_name_not_in_the_mesh_raises():
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("ep",))
+  layer = _layer(shared_experts=None)
+  layer["w_gate"], layer["w_up"], layer["w_down"] = (w[:2] for w in (layer["w_gate"], layer["w_up"], layer["w_down"]))
+
+  def local(x, weights, ids, w_gate, w_up, w_down):
+    return moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, axis_name="experts", backend="xla")
+
+  with pytest.raises(ValueError, match="axis_name='experts' is not a mesh axis"):
+    jax.shard_map(local, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+        layer["x"][:8], layer["weights"][:8], layer["ids"][:8], layer["w_gate"], layer["w_up"], layer["w_down"])
+
+
+def test_top_k_counts_global_experts_under_axis_name():
+  """top_k may exceed the local experts as long as it fits the experts of all ranks."""
+  num_ranks, local_experts, top_k = 4, 1, 3
+  rng = np.random.default_rng()
+  layer = random_layer(rng, 8 * num_ranks, H, I, local_experts * num_ranks, top_k)
+  mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
+
+  def local(x, weights, ids, w_gate, w_up, w_down):
+    return moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, axis_name="ep", backend="xla")
+
+  y = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+      layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"])
+  np.testing.assert_allclose(y, _call(layer, backend="xla"), rtol=2e-5, atol=2e-5)
+
+
+def test_auto_is_xla_on_cpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("JAX runs on a GPU here")
+  assert moe.resolve_backend("auto") == "xla"
+
+
+def test_kittens_backend_present_or_clear_error():
+  if importlib.util.find_spec("jax_kittens.fused_moe") is not None:
+    pytest.skip("jax_kittens.fused_moe exists; its own tests cover backend='kittens'")
+  with pytest.raises(NotImplementedError, match="use backend='xla'"):
+    _call(_layer(), backend="kittens")
+
+
+def test_xla_backend_is_the_reference_and_recompute_keeps_gradients():
+  rng = np.random.default_rng()
+  layer = random_layer(rng, 23, H, I, E, K, load="skewed", shared=5)
+  d_y = rng.standard_normal((23, H)).astype(np.float32)
+  differentiable = ("x", "weights", "w_gate", "w_up", "w_down", "shared_experts")
+
+  def grads(fn, **options):
+    def loss(params):
+      return jnp.sum(fn(**{**layer, **params}, swiglu_limit=2.0, **options) * d_y)
+    return jax.jit(jax.grad(loss))({name: layer[name] for name in differentiable})
+
+  want = grads(reference.moe_ffn)
+  for recompute in (False, True):
+    got = grads(moe.moe_ffn, backend="xla", recompute=recompute)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got, want)
+  y, stats = _call(layer, backend="xla", return_stats=True)
+  np.testing.assert_array_equal(y, reference.moe_ffn(**layer))
+  assert stats.dropped_tokens.dtype == jnp.int32 and int(stats.dropped_tokens) == 0
+  assert int(stats.received_tokens) == 23 * K
