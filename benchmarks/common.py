@@ -91,7 +91,12 @@ def _git(*command):
 
 
 def commit() -> str:
-  """HEAD's hash, with "-dirty" when tracked files differ from it; "uncommitted" outside a git checkout."""
+  """HEAD's hash, with "-dirty" when tracked files differ from it; "uncommitted" outside a git checkout.
+
+  The device machine gets a copy of the working tree without .git: there JK_COMMIT (set by the caller) names it.
+  """
+  if os.environ.get("JK_COMMIT"):
+    return os.environ["JK_COMMIT"]
   try:
     head = _git("rev-parse", "HEAD")
   except (OSError, subprocess.CalledProcessError):

@@ -4,8 +4,11 @@ Every GPU holds T = 8192 tokens before routing and E/8 experts (the slice one GP
 per-GPU work is the same on 1, 2, 4 or 8 GPUs; EP = number of GPUs. Per model shape and routing (uniform, skewed):
 
   dispatch, combine  kittens only: plan + pull dispatch, and push combine + weighted sum, timed apart.
-  roundtrip          both backends: the layer with identity experts (dispatch + combine + the permutations).
-  fwd, fwd_bwd       both backends: the whole layer; TFLOP/s = 6 (18) * T * k * H * I / time, per GPU.
+  roundtrip          kittens and xla: the layer with identity experts (dispatch + combine + the permutations).
+  fwd, fwd_bwd       the whole layer; TFLOP/s = 6 (18) * T * k * H * I / time, per GPU.
+
+Backends: "kittens" (heap dispatch/combine + our grouped GEMM), "xla" (the pure-JAX reference: ragged_all_to_all +
+jax.lax.ragged_dot), "a2a_kittens_gemm" (ragged_all_to_all + our grouped GEMM: isolates the communication).
 
 GB/s per GPU = payload bytes to other GPUs per GPU (rows kept by other ranks' experts, mean over ranks) / time;
 ``moved_gbps`` counts the rows a rank keeps for itself too (the only figure on 1 GPU). Heap backends:
@@ -63,7 +66,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--min-iters", type=int, default=5)
   parser.add_argument("--budget-s", type=float, default=2.0)
   parser.add_argument("--out-dir", default=None)
-  parser.add_argument("--only", default=None, help="comma-separated backends (kittens, xla)")
+  parser.add_argument("--only", default=None, help="comma-separated backends (kittens, xla, a2a_kittens_gemm)")
   # Internal: one worker of the NVSHMEM run.
   parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--num-workers", type=int, default=None, help=argparse.SUPPRESS)
@@ -133,9 +136,10 @@ class Bench:
             heap=self.heap,
             expert_ffn=experts or expert_parallel.local_expert_ffn(None, grouped_matmul.ragged_dot))
       else:
+        gemm = jax.lax.ragged_dot if backend == "xla" else grouped_matmul.ragged_dot
         y = reference.moe_ffn(x, weights, ids, w_gate, w_up, w_down, axis_name=AXIS,
                               capacity_factor=self.capacity_factor,
-                              ragged_dot=jax.lax.ragged_dot if experts is None else _copy_ragged_dot)
+                              ragged_dot=gemm if experts is None else _copy_ragged_dot)
       return y.astype(x.dtype)
 
     return self._map(local, (P(AXIS),) * 6, P(AXIS))
@@ -205,7 +209,8 @@ def run_shape(args, mesh, heap, heap_name, shape_name, shape, routing) -> list[d
           "routing": routing, "heap": heap_name}
   rows = []
   timing = dict(iters=args.iters, min_iters=args.min_iters, budget_s=args.budget_s)
-  backends = [b for b in ("kittens", "xla") if args.only is None or b in args.only]
+  # "a2a_kittens_gemm": the reference's ragged_all_to_all with our grouped GEMM -- isolates the communication.
+  backends = [b for b in ("kittens", "xla", "a2a_kittens_gemm") if args.only is None or b in args.only]
 
   dispatched = None
   payload = None
@@ -226,10 +231,12 @@ def run_shape(args, mesh, heap, heap_name, shape_name, shape, routing) -> list[d
   for mode in args.modes:
     for backend in backends:
       row = {**base, "mode": mode, "backend": backend}
-      if backend == "xla":
+      if backend != "kittens":
         row["heap"] = None
       if mode in ("dispatch", "combine") and backend != "kittens":
         continue
+      if mode == "roundtrip" and backend == "a2a_kittens_gemm":
+        continue  # the same as xla's roundtrip: no GEMMs in it
 
       def run(mode=mode, backend=backend):
         if backend == "kittens" and dispatch_error:
@@ -265,10 +272,11 @@ def run_shape(args, mesh, heap, heap_name, shape_name, shape, routing) -> list[d
 
 
 def _add_speedups(rows):
-  key = lambda r: (r["shape"], r["routing"], r["mode"], r["ep"])
+  """vs_xla: the xla row's time of the same case over this row's (kittens and a2a_kittens_gemm rows)."""
+  key = lambda r: (r.get("shape"), r.get("routing"), r.get("mode"), r.get("ep"))
   baseline = {key(r): r["median_ms"] for r in rows if r["backend"] == "xla" and "median_ms" in r}
   for row in rows:
-    if row["backend"] == "kittens" and "median_ms" in row and key(row) in baseline:
+    if row["backend"] != "xla" and "median_ms" in row and key(row) in baseline:
       row["vs_xla"] = round(baseline[key(row)] / row["median_ms"], 3)
 
 
@@ -319,7 +327,8 @@ def nvshmem_run(args) -> list[dict]:
   passthrough = [a for a in sys.argv[1:] if not a.startswith("--heap") and a not in ("nvshmem", "all", "cuda")]
   procs = []
   for rank in range(num_gpus):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank), "NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank), "NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
+           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}  # all workers on this host
     command = [sys.executable, os.path.abspath(__file__), *passthrough, "--out-dir", work_dir, "--worker", str(rank),
                "--num-workers", str(num_gpus), "--coordinator", f"localhost:{port}"]
     procs.append(subprocess.Popen(command, env=env))

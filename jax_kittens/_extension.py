@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
@@ -36,6 +37,16 @@ def cuda_built() -> bool:
 def cuda_available() -> bool:
   """True when the CUDA handlers are built and JAX's default backend is a CUDA GPU."""
   return cuda_built() and jax.default_backend() == "gpu"
+
+
+def kittens_by_default() -> bool:
+  """Whether backend="auto" of the MoE layer and of ragged_dot picks the kittens kernels.
+
+  Only where they run (CUDA build, GPU backend), and only once they have passed the GPU test suite: routing and the
+  grouped GEMM forward have; the fused layer, the GEMM backward and the expert-parallel transport have not yet
+  (README, "Status"). Until then "auto" means xla, and JAX_KITTENS_AUTO=kittens opts in.
+  """
+  return cuda_available() and os.environ.get("JAX_KITTENS_AUTO", "xla") == "kittens"
 
 
 def has_target(name: str, platform: str) -> bool:

@@ -177,7 +177,7 @@ from_experts.defvjp(_from_experts_fwd, _from_experts_bwd)
 def local_expert_ffn(swiglu_limit, ragged_dot=jax.lax.ragged_dot) -> ExpertFfn:
   """The local grouped SwiGLU of the pure-JAX reference, over ``ragged_dot``."""
   def expert_ffn(rows, group_sizes, w_gate, w_up, w_down):
-    return reference._grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, swiglu_limit, ragged_dot)
+    return reference.grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, swiglu_limit, ragged_dot)
   return expert_ffn
 
 
@@ -251,7 +251,7 @@ def dispatch(x: jax.Array, ids: jax.Array, *, axis_name: str, experts_per_rank: 
   sched = routing.schedule(ids, num_experts)
   counts = sched.tokens_per_expert
   blocks, send_kept, group_sizes, dropped = _plan(config, rank, counts)
-  packed = x[reference._token_of_row(sched.rows, num_positions)]
+  packed = x[reference.token_of_row(sched.rows, num_positions)]
   recv = to_experts(config, packed, rank, blocks, send_kept, sched.expert_offsets)
   invalid = jnp.int32(num_positions) - jnp.sum(counts, dtype=jnp.int32)
   return recv, Dispatched(config, rank, sched.rows, blocks, send_kept, sched.expert_offsets, group_sizes,
@@ -266,7 +266,7 @@ def combine(expert_rows: jax.Array, weights: jax.Array, dispatched: Dispatched) 
   """
   d = dispatched
   returned = from_experts(d.config, expert_rows, d.rank, d.blocks, d.send_kept, d.expert_offsets)
-  return reference._combine(returned, d.rows, weights)
+  return reference.combine(returned, d.rows, weights)
 
 
 def expert_parallel_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -308,7 +308,7 @@ def moe_ffn(x, weights, ids, w_gate, w_up, w_down, *, axis_name: str, shared_exp
                                    swiglu_limit=swiglu_limit, capacity_factor=capacity_factor, heap=heap,
                                    expert_ffn=local_expert_ffn(swiglu_limit, grouped_matmul.ragged_dot))
     if shared_experts is not None:
-      y = y + reference._shared_ffn(x, shared_experts, swiglu_limit)
+      y = y + reference.shared_ffn(x, shared_experts, swiglu_limit)
     return y.astype(x.dtype), stats
 
   y, stats = (jax.checkpoint(layer) if recompute else layer)(x, weights, ids, w_gate, w_up, w_down, shared_experts)

@@ -281,8 +281,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, prefer
       rows past ``sum(group_sizes)`` give 0).
     preferred_element_type: output dtype (default lhs.dtype).
     backend: "kittens" (the grouped GEMM kernels: bf16 operands, K and N multiples of FEATURE_ALIGN; anything else
-      raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens when its CUDA kernels run here and the operands are
-      supported, else xla).
+      raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens where `_extension.kittens_by_default()` and the
+      operands are supported, else xla).
 
   Returns:
     [M, N] preferred_element_type.
@@ -299,7 +299,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, prefer
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   if backend == "auto":
     supported = _kittens_supports(lhs, rhs, group_sizes) and out_dtype in (jnp.bfloat16, jnp.float32)
-    backend = "kittens" if supported and _extension.cuda_available() else "xla"
+    backend = "kittens" if supported and _extension.kittens_by_default() else "xla"
   if backend == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
   if not _kittens_supports(lhs, rhs, group_sizes):

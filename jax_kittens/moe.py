@@ -146,10 +146,10 @@ def _kittens_present() -> bool:
 
 
 def resolve_backend(backend: str) -> str:
-  """"auto" -> "kittens" where the CUDA kernels are built, JAX runs on a GPU and the fused layer exists, else "xla"."""
+  """"auto" -> "kittens" where `_extension.kittens_by_default()` and the fused layer exists, else "xla"."""
   if backend != "auto":
     return backend
-  return "kittens" if _extension.cuda_available() and _kittens_present() else "xla"
+  return "kittens" if _extension.kittens_by_default() and _kittens_present() else "xla"
 
 
 def _kittens_moe_ffn():
@@ -197,8 +197,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
                  return_stats=return_stats)
   check_moe_args(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, backend=backend,
                  recompute=recompute, **options)
-  # Expert parallelism has its own kittens path (jax_kittens.expert_parallel); "auto" takes it on any CUDA build.
-  expert_parallel_kittens = backend == "kittens" or (backend == "auto" and _extension.cuda_available())
+  # Expert parallelism has its own kittens path (jax_kittens.expert_parallel).
+  expert_parallel_kittens = backend == "kittens" or (backend == "auto" and _extension.kittens_by_default())
   if axis_name is not None and expert_parallel_kittens:
     from jax_kittens import expert_parallel  # noqa: PLC0415 (loads the heap machinery only when used)
 

@@ -32,7 +32,7 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
-def _grouped_ffn(rows_x, group_sizes, w_gate, w_up, w_down, swiglu_limit, ragged_dot):
+def grouped_ffn(rows_x, group_sizes, w_gate, w_up, w_down, swiglu_limit, ragged_dot):
   """SwiGLU experts over expert-major rows.
 
   rows_x: [N, H]; group_sizes: [E_local] int32 (sum <= N; rows past the sum give zeros) -> [N, H] rows_x.dtype.
@@ -45,14 +45,14 @@ def _grouped_ffn(rows_x, group_sizes, w_gate, w_up, w_down, swiglu_limit, ragged
   return ragged_dot(hidden, w_down, group_sizes)
 
 
-def _shared_ffn(x, shared_experts, swiglu_limit):
+def shared_ffn(x, shared_experts, swiglu_limit):
   """x: [T, H]; shared_experts: (w_gate [H, Is], w_up [H, Is], w_down [Is, H]) -> [T, H] x.dtype."""
   w_gate, w_up, w_down = shared_experts
   hidden = swiglu(jnp.dot(x, w_gate).astype(jnp.float32), jnp.dot(x, w_up).astype(jnp.float32), swiglu_limit)
   return jnp.dot(hidden.astype(x.dtype), w_down)
 
 
-def _token_of_row(rows, num_rows):
+def token_of_row(rows, num_rows):
   """rows: [T, k] schedule rows (-1: unplaced) -> [num_rows] int32 source token of each row (0 for unused rows)."""
   num_tokens, top_k = rows.shape
   token = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
@@ -61,7 +61,7 @@ def _token_of_row(rows, num_rows):
   return jnp.zeros((num_rows,), jnp.int32).at[targets].set(token, mode="drop")
 
 
-def _combine(expert_rows, rows, weights):
+def combine(expert_rows, rows, weights):
   """y[t] = sum_j weights[t, j] * expert_rows[rows[t, j]] (entries with row -1 contribute 0).
 
   expert_rows: [N, H]; rows: [T, k] int32; weights: [T, k] float -> [T, H] float32.
@@ -117,9 +117,9 @@ def _local_moe(x, weights, ids, w_gate, w_up, w_down, swiglu_limit, ragged_dot):
   num_experts = w_gate.shape[0]
   sched = routing.schedule(ids, num_experts, backend="xla")
   num_rows = ids.size
-  rows_x = x[_token_of_row(sched.rows, num_rows)]
-  expert_rows = _grouped_ffn(rows_x, sched.tokens_per_expert, w_gate, w_up, w_down, swiglu_limit, ragged_dot)
-  y = _combine(expert_rows, sched.rows, weights)
+  rows_x = x[token_of_row(sched.rows, num_rows)]
+  expert_rows = grouped_ffn(rows_x, sched.tokens_per_expert, w_gate, w_up, w_down, swiglu_limit, ragged_dot)
+  y = combine(expert_rows, sched.rows, weights)
   received = jnp.sum(sched.tokens_per_expert, dtype=jnp.int32)
   return y, MoEStats(jnp.int32(num_rows) - received, received)
 
@@ -142,7 +142,7 @@ def _expert_parallel_moe(x, weights, ids, w_gate, w_up, w_down, swiglu_limit, ra
 
   # Source side: rows in global expert-major order are grouped by destination rank, then by its local expert.
   sched = routing.schedule(ids, num_local_experts * num_ranks, backend="xla")
-  send_rows_x = x[_token_of_row(sched.rows, num_rows)]
+  send_rows_x = x[token_of_row(sched.rows, num_rows)]
   send_counts = sched.tokens_per_expert.reshape(num_ranks, num_local_experts)
   send_offsets = sched.expert_offsets[:-1].reshape(num_ranks, num_local_experts)[:, 0]
 
@@ -173,7 +173,7 @@ def _expert_parallel_moe(x, weights, ids, w_gate, w_up, w_down, swiglu_limit, ra
   expert_row_of_row = jnp.where(in_use, block_expert_starts[block] + row - block_source_starts[block], row)
   row_of_expert_row = jnp.zeros((capacity,), jnp.int32).at[expert_row_of_row].set(row, unique_indices=True)
 
-  expert_rows = _grouped_ffn(received_x[row_of_expert_row], group_sizes, w_gate, w_up, w_down, swiglu_limit,
+  expert_rows = grouped_ffn(received_x[row_of_expert_row], group_sizes, w_gate, w_up, w_down, swiglu_limit,
                              ragged_dot)
   results = expert_rows[expert_row_of_row]
 
@@ -181,7 +181,7 @@ def _expert_parallel_moe(x, weights, ids, w_gate, w_up, w_down, swiglu_limit, ra
   source_offsets = _exchange(send_offsets, axis_name)
   returned = _ragged_all_to_all(results, jnp.zeros((num_rows,) + x.shape[1:], x.dtype), recv_offsets, recv_totals,
                                 source_offsets, send_sizes, axis_name=axis_name)
-  y = _combine(returned, sched.rows, weights)
+  y = combine(returned, sched.rows, weights)
   received = jnp.sum(recv_totals, dtype=jnp.int32)
   return y, MoEStats(jnp.int32(num_rows) - jnp.sum(send_sizes, dtype=jnp.int32), received)
 
@@ -216,6 +216,6 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     y, stats = _expert_parallel_moe(x, weights, ids, w_gate, w_up, w_down, swiglu_limit, ragged_dot, axis_name,
                                     capacity_factor)
   if shared_experts is not None:
-    y = y + _shared_ffn(x, shared_experts, swiglu_limit).astype(jnp.float32)
+    y = y + shared_ffn(x, shared_experts, swiglu_limit).astype(jnp.float32)
   y = y.astype(x.dtype)
   return (y, stats) if return_stats else y

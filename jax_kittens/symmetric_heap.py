@@ -29,7 +29,8 @@ import jax
 from jax_kittens import _jax_kittens
 
 BACKENDS = ("cpu", "cuda", "nvshmem")
-DEFAULT_TIMEOUT_S = float(os.environ.get("JAX_KITTENS_EP_TIMEOUT_S", "30"))
+# Long enough for a peer process still compiling its first step; only a hang should ever reach it.
+DEFAULT_TIMEOUT_S = float(os.environ.get("JAX_KITTENS_EP_TIMEOUT_S", "120"))
 # The default heap never shrinks below this, so small layers share one heap.
 _MIN_DEFAULT_REGION_BYTES = 8 << 20
 # Never NVLink multicast on these machines: it can take a shared host's GPUs out of service.
@@ -314,6 +315,8 @@ def _nvshmem_runtime(device_ordinal: int, region_bytes: int) -> _NvshmemRuntime:
   os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_PLUGIN", os.path.join(library_dir, "nvshmem_bootstrap_uid.so.3"))
   # One node: peers over NVLink only; no network transport to probe.
   os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+  if jax.process_count() == 1:  # the bootstrap's socket never leaves this host (set it to a NIC across hosts)
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
   os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 * region_bytes, 1 << 30)))
   ctypes.CDLL(os.path.join(library_dir, "libnvshmem_host.so.3"), mode=ctypes.RTLD_GLOBAL)
   lib = ctypes.CDLL(module)

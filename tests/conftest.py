@@ -32,13 +32,3 @@ def pytest_report_header(config):
   return (f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.device_count()}, "
           f"jax_kittens cuda={info['cuda']} archs={info['cuda_archs']} nvshmem={info['nvshmem']}")
 
-
-@pytest.fixture
-def cpu_mesh():
-  """Builds a 1-D mesh over n host devices. Multi-device tests use the CPU devices explicitly: on the GPU machine
-  the default devices are the one GPU, while the 8 host devices exist everywhere."""
-
-  def make(n: int, axis_name: str = "ep") -> jax.sharding.Mesh:
-    return jax.make_mesh((n,), (axis_name,), devices=jax.devices("cpu")[:n])
-
-  return make

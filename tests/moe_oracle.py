@@ -129,3 +129,20 @@ def random_layer(rng, num_tokens, hidden, intermediate, num_experts, top_k, *, l
         (scale_in * rng.standard_normal((hidden, shared))).astype(np.float32),
         ((1.0 / np.sqrt(shared)) * rng.standard_normal((shared, hidden))).astype(np.float32))
   return layer
+
+
+def kept_under_capacity(ids, num_ranks, local_experts, capacity):
+  """[T, k] bool: entries that fit their owner's receive buffer of ``capacity`` rows.
+
+  The buffer holds sources in rank order, each source's rows by local expert, then in (token, slot) order.
+  """
+  num_tokens = ids.shape[0]
+  local_tokens = num_tokens // num_ranks
+  source = np.repeat(np.arange(num_tokens) // local_tokens, ids.shape[1]).reshape(ids.shape)
+  owner = ids // local_experts
+  order = np.lexsort((np.arange(ids.size), ids.reshape(-1), source.reshape(-1), owner.reshape(-1)))
+  position = np.empty(ids.size, np.int64)
+  sorted_owner = owner.reshape(-1)[order]
+  starts = np.searchsorted(sorted_owner, sorted_owner, side="left")
+  position[order] = np.arange(ids.size) - starts
+  return (position < capacity).reshape(ids.shape)

@@ -4,7 +4,10 @@ CPU: the real protocol on the 8 host devices (XLA runs their programs concurrent
 EP = 1 on one GPU through the same kernels, and the NVSHMEM heap initialised in one process.
 """
 
-import functools
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_kittens import expert_parallel, moe, reference, symmetric_heap
 from jax_kittens.symmetric_heap import SymmetricHeap
-from moe_oracle import moe_forward_backward, random_layer
-from test_reference import _kept_under_capacity
+from moe_oracle import kept_under_capacity, moe_forward_backward, random_layer
 
 TOLERANCE = dict(rtol=2e-4, atol=2e-4)
 
@@ -85,18 +87,23 @@ def test_matches_single_device(rng, num_ranks, load, shared, limit):
   np.testing.assert_array_equal(stats.received_tokens, counts)
 
 
-def test_expert_without_tokens_and_idle_rank(rng):
-  # Rank 1's experts get nothing at all, expert 0 nothing either: empty blocks and empty groups everywhere.
+def test_expert_without_tokens_idle_rank_and_invalid_ids(rng):
+  # Rank 1's experts get nothing at all, expert 0 nothing either: empty blocks and empty groups everywhere. Two ids
+  # outside the experts are dropped and counted on their source rank (0).
   num_ranks, local_tokens, local_experts, top_k = 4, 9, 2, 2
   layer = random_layer(rng, local_tokens * num_ranks, 8, 8, local_experts * num_ranks, top_k)
   allowed = np.array([1, 4, 5, 6, 7])
   layer["ids"] = np.stack([rng.choice(allowed, top_k, replace=False) for _ in range(local_tokens * num_ranks)])
   layer["ids"] = layer["ids"].astype(np.int32)
+  layer["ids"][2, 1] = -1
+  layer["ids"][5, 0] = local_experts * num_ranks
+  kept = (layer["ids"] >= 0) & (layer["ids"] < local_experts * num_ranks)
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
   y, stats, grads = _run_layer(_mesh(num_ranks), layer, d_y)
-  want_y, want_grads = moe_forward_backward(**layer, d_y=d_y)
+  want_y, want_grads = moe_forward_backward(**{**layer, "ids": np.where(kept, layer["ids"], 0)}, d_y=d_y, kept=kept)
   _assert_matches_oracle(y, grads, want_y, want_grads)
   assert int(stats.received_tokens[1]) == 0
+  np.testing.assert_array_equal(stats.dropped_tokens, [2, 0, 0, 0])
 
 
 @pytest.mark.parametrize("num_ranks,capacity_factor", [(4, 0.75), (8, 0.4)])
@@ -106,7 +113,7 @@ def test_capacity_drops_deterministically_and_counts(rng, num_ranks, capacity_fa
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
   y, stats, grads = _run_layer(_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
   capacity = reference.receive_capacity(local_tokens, top_k, num_ranks, capacity_factor)
-  kept = _kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
+  kept = kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
   assert (~kept).sum() > 0
   want_y, want_grads = moe_forward_backward(**layer, d_y=d_y, kept=kept)
   _assert_matches_oracle(y, grads, want_y, want_grads)
@@ -290,3 +297,37 @@ def test_gpu_nvshmem_heap_in_one_process(rng):
   y, _ = _forward(_mesh(1, "gpu"), heap)(*_layer_args(layer))
   _assert_close_to_reference(y, layer)
   heap.check()
+
+
+@pytest.mark.gpu
+def test_gpu_all_local_gpus_single_process_heap(rng):
+  num_gpus = min(len(jax.devices("gpu")), 8)
+  if num_gpus < 2:
+    pytest.skip("needs at least 2 GPUs")
+  layer = random_layer(rng, 96 * num_gpus, 128, 64, 2 * num_gpus, 3, load="skewed")
+  layer = {name: (jnp.asarray(value, jnp.bfloat16) if name not in ("ids", "weights") else value)
+           for name, value in layer.items()}
+  for _ in range(3):  # several steps on one heap: the epochs must keep the ranks in step
+    y, _ = _forward(_mesh(num_gpus, "gpu"), None)(*_layer_args(layer))
+  _assert_close_to_reference(y, layer)
+  symmetric_heap.default_heap(num_gpus, 0, "gpu").check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not symmetric_heap.nvshmem_available(), reason="needs the nvidia-nvshmem wheel and _jk_nvshmem")
+def test_gpu_nvshmem_one_process_per_gpu():
+  num_gpus = min(len(jax.devices("gpu")), 8)
+  if num_gpus < 2:
+    pytest.skip("needs at least 2 GPUs")
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvshmem_worker.py")
+  procs = [subprocess.Popen([sys.executable, worker, f"localhost:{port}", str(num_gpus), str(rank)],
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank),
+                                 "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for rank in range(num_gpus)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for rank, (p, output) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"worker {rank} failed:\n{output[-3000:]}"

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_kittens import reference
-from moe_oracle import moe_forward_backward, random_layer
+from moe_oracle import kept_under_capacity, moe_forward_backward, random_layer
 
 # Float32 GEMMs of these sizes against float64: errors are ~1e-6 of the values; 1e-4 still catches any wrong entry.
 TOLERANCE = dict(rtol=2e-4, atol=2e-4)
@@ -161,30 +161,13 @@ def test_expert_parallel_matches_single_device(rng, num_ranks, load, shared):
   np.testing.assert_array_equal(stats.received_tokens, counts)
 
 
-def _kept_under_capacity(ids, num_ranks, local_experts, capacity):
-  """[T, k] bool: entries that fit their owner's receive buffer of ``capacity`` rows.
-
-  The buffer holds sources in rank order, each source's rows by local expert, then in (token, slot) order.
-  """
-  num_tokens = ids.shape[0]
-  local_tokens = num_tokens // num_ranks
-  source = np.repeat(np.arange(num_tokens) // local_tokens, ids.shape[1]).reshape(ids.shape)
-  owner = ids // local_experts
-  order = np.lexsort((np.arange(ids.size), ids.reshape(-1), source.reshape(-1), owner.reshape(-1)))
-  position = np.empty(ids.size, np.int64)
-  sorted_owner = owner.reshape(-1)[order]
-  starts = np.searchsorted(sorted_owner, sorted_owner, side="left")
-  position[order] = np.arange(ids.size) - starts
-  return (position < capacity).reshape(ids.shape)
-
-
 def test_expert_parallel_capacity_drops_and_counts(rng):
   num_ranks, local_tokens, local_experts, top_k, capacity_factor = 4, 16, 2, 2, 0.75
   layer = random_layer(rng, local_tokens * num_ranks, 8, 8, local_experts * num_ranks, top_k, load="skewed")
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
   y, stats, grads = _expert_parallel(_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
   capacity = reference.receive_capacity(local_tokens, top_k, num_ranks, capacity_factor)
-  kept = _kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
+  kept = kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
   assert 0 < (~kept).sum()
   want_y, want_grads = moe_forward_backward(**layer, d_y=d_y, kept=kept)
   np.testing.assert_allclose(y, want_y, **TOLERANCE)

@@ -70,7 +70,7 @@ void store(void* out, ffi::DataType type, int64_t index, float value) {
   if (type == ffi::F32) {
     static_cast<float*>(out)[index] = value;
   } else {
-    static_cast<uint16_t*>(out)[index] = gg::float_to_bf16_bits(value);
+    static_cast<uint16_t*>(out)[index] = float_to_bf16_bits(value);
   }
 }
 
@@ -141,10 +141,10 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
                     up.data());
         for (int32_t c = n0; c < n1; ++c) {
           int64_t i = r * s.inner + c;
-          outputs[0][i] = gg::float_to_bf16_bits(gg::swiglu(gate[c - n0], up[c - n0], clamp));
+          outputs[0][i] = float_to_bf16_bits(gg::swiglu(gate[c - n0], up[c - n0], clamp));
           if (s.save_preactivations) {
-            outputs[1][i] = gg::float_to_bf16_bits(gate[c - n0]);
-            outputs[2][i] = gg::float_to_bf16_bits(up[c - n0]);
+            outputs[1][i] = float_to_bf16_bits(gate[c - n0]);
+            outputs[2][i] = float_to_bf16_bits(up[c - n0]);
           }
         }
       },
@@ -186,11 +186,11 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
           int64_t i = r * s.inner + c;
           float gate_i = bf16_bits_to_float(gate.typed_data()[i]);
           float up_i = bf16_bits_to_float(up.typed_data()[i]);
-          partial += g[c - n0] * gg::round_to_bf16(gg::swiglu(gate_i, up_i, clamp));
+          partial += g[c - n0] * round_to_bf16(gg::swiglu(gate_i, up_i, clamp));
           float dg, du;
           gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du);
-          d_gate->typed_data()[i] = gg::float_to_bf16_bits(dg);
-          d_up->typed_data()[i] = gg::float_to_bf16_bits(du);
+          d_gate->typed_data()[i] = float_to_bf16_bits(dg);
+          d_up->typed_data()[i] = float_to_bf16_bits(du);
         }
         partials[n_block * s.rows + r] = partial;
       },
@@ -231,7 +231,7 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::
       for (int32_t m = tile.m0; m < m1; ++m) {
         // The kernels scale the bf16 lhs tile in place: the scaled operand is rounded to bf16.
         float a_m = bf16_bits_to_float(a[m]);
-        if (s.has_row_scale) a_m = gg::round_to_bf16(a_m * row_scale.typed_data()[r]);
+        if (s.has_row_scale) a_m = round_to_bf16(a_m * row_scale.typed_data()[r]);
         float* acc_row = acc.data() + (m - tile.m0) * kN;
         for (int32_t c = tile.n0; c < n1; ++c) acc_row[c - tile.n0] += a_m * bf16_bits_to_float(b[c]);
       }

@@ -132,23 +132,6 @@ constexpr int kTileRows = 128;          // rows of every tile (ROW_ALIGN in Pyth
 constexpr int kTileCols = 256;          // output columns of gmm, dgrad and tgmm tiles
 constexpr int kSwigluTileCols = 128;    // gate and up columns of a gmm_swiglu tile (128 + 128 products)
 
-// float -> bf16 bits, round to nearest even (NaN stays NaN): the rounding of every bf16 result.
-JK_HOST_DEVICE uint16_t float_to_bf16_bits(float value) {
-#if defined(__CUDA_ARCH__)
-  uint16_t out;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(value));
-  return out;
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-#endif
-}
-
-JK_HOST_DEVICE float round_to_bf16(float value) { return bf16_bits_to_float(float_to_bf16_bits(value)); }
-
 // The SwiGLU clamp: gate to (-inf, limit], up to [-limit, limit]; limit <= 0 means none (the attr carries a
 // positive limit or 0). Gradient factors follow JAX's min/max: 1 inside, 0 outside, 1/2 on the bound.
 struct SwigluClamp {

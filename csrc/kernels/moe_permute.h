@@ -15,7 +15,6 @@
 #include <cstdint>
 
 #include "kernels/common.h"
-#include "kernels/grouped_gemm.h"
 
 namespace jk::moe_permute {
 
@@ -59,7 +58,7 @@ JK_HOST_DEVICE T from_float(float v);
 template <>
 JK_HOST_DEVICE float from_float<float>(float v) { return v; }
 template <>
-JK_HOST_DEVICE uint16_t from_float<uint16_t>(float v) { return grouped_gemm::float_to_bf16_bits(v); }
+JK_HOST_DEVICE uint16_t from_float<uint16_t>(float v) { return float_to_bf16_bits(v); }
 
 // A schedule row that names a row of the [num_rows, H] buffers (-1 and anything out of range name none).
 JK_HOST_DEVICE bool placed(int32_t r, int64_t num_rows) { return r >= 0 && r < num_rows; }
