@@ -49,6 +49,32 @@ def kittens_by_default() -> bool:
   return cuda_available() and os.environ.get("JAX_KITTENS_AUTO", "xla") == "kittens"
 
 
+def varying_axes(value) -> frozenset:
+  """The shard_map mesh axes ``value`` varies over (empty outside shard_map, or with check_vma=False)."""
+  # jax 0.10 and 0.11 keep them in aval.mat.varying.
+  manual_axis_type = getattr(jax.typeof(value), "mat", None)
+  return frozenset(getattr(manual_axis_type, "varying", ()))
+
+
+def varying_like(result: jax.Array, *operands) -> jax.Array:
+  """``result`` typed as varying over every shard_map axis one of ``operands`` varies over."""
+  axes = frozenset().union(*(varying_axes(x) for x in operands if x is not None)) - varying_axes(result)
+  return jax.lax.pcast(result, tuple(sorted(axes)), to="varying") if axes else result
+
+
+def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, **attrs):
+  """`jax.ffi.ffi_call` whose results vary over the mesh axes its operands vary over.
+
+  Under shard_map an FFI call's results come back typed invariant whatever its operands are; XLA's own ops infer
+  varying results, and autodiff (custom_vjp / custom_jvp) checks that tangents and cotangents match, so every
+  jax_kittens op calls its targets through here.
+  """
+  results = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)(*operands, **attrs)
+  if isinstance(results, (tuple, list)):
+    return type(results)(varying_like(r, *operands) for r in results)
+  return varying_like(results, *operands)
+
+
 def has_target(name: str, platform: str) -> bool:
   return (name, platform) in REGISTERED_TARGETS
 

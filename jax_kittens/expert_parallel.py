@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import grouped_matmul, reference, routing
+from jax_kittens import _extension, grouped_matmul, reference, routing
 from jax_kittens.moe_stats import MoEStats
 from jax_kittens.symmetric_heap import LIMITS, SymmetricHeap, default_heap
 
@@ -63,22 +63,6 @@ class EpConfig(NamedTuple):
   num_positions: int  # T * k send positions per rank
   chunk_rows: int  # send positions per signalled chunk
   axis_name: str
-
-
-def _varying_axes(aval) -> frozenset | None:
-  # jax 0.10 keeps the varying manual axes in aval.mat.varying; other versions in aval.vma.
-  if hasattr(aval, "vma"):
-    return frozenset(aval.vma)
-  mat = getattr(aval, "mat", None)
-  return None if mat is None else frozenset(mat.varying)
-
-
-def _varying(value, axis_name):
-  """Marks an FFI result as varying over the axis (each rank's differs), as shard_map's type checks expect."""
-  axes = _varying_axes(jax.typeof(value))
-  if axes is None or axis_name in axes:
-    return value
-  return jax.lax.pcast(value, axis_name, to="varying")
 
 
 def receive_capacity(num_tokens: int, top_k: int, num_ranks: int, experts_per_rank: int, row_bytes: int,
@@ -108,28 +92,27 @@ def _plan(config: EpConfig, rank, counts):
                jax.ShapeDtypeStruct(counts.shape, jnp.int32),
                jax.ShapeDtypeStruct((config.experts_per_rank,), jnp.int32),
                jax.ShapeDtypeStruct((), jnp.int32))
-  results = jax.ffi.ffi_call("jk_ep_plan", out_types)(
-      rank, counts, heap_id=np.int64(config.heap_id), num_ranks=np.int32(config.num_ranks),
-      experts_per_rank=np.int32(config.experts_per_rank), capacity=np.int32(config.capacity))
-  return tuple(_varying(result, config.axis_name) for result in results)
+  return tuple(_extension.ffi_call(
+      "jk_ep_plan", out_types, rank, counts, heap_id=np.int64(config.heap_id), num_ranks=np.int32(config.num_ranks),
+      experts_per_rank=np.int32(config.experts_per_rank), capacity=np.int32(config.capacity)))
 
 
 # `after` is an operand the handlers ignore: the call runs once it is computed. XLA keeps no other ordering between
 # independent custom calls (it drops optimization barriers before running thunks concurrently).
 def _to_experts_call(config, packed, rank, blocks, after):
   out_type = jax.ShapeDtypeStruct((config.capacity,) + packed.shape[1:], packed.dtype)
-  recv = jax.ffi.ffi_call("jk_ep_to_experts", out_type)(
-      rank, packed, blocks, after, heap_id=np.int64(config.heap_id), num_ranks=np.int32(config.num_ranks),
-      experts_per_rank=np.int32(config.experts_per_rank), chunk_rows=np.int32(config.chunk_rows))
-  return _varying(recv, config.axis_name)
+  return _extension.ffi_call(
+      "jk_ep_to_experts", out_type, rank, packed, blocks, after, heap_id=np.int64(config.heap_id),
+      num_ranks=np.int32(config.num_ranks), experts_per_rank=np.int32(config.experts_per_rank),
+      chunk_rows=np.int32(config.chunk_rows))
 
 
 def _from_experts_call(config, expert_rows, rank, blocks, send_kept, offsets, after):
   out_type = jax.ShapeDtypeStruct((config.num_positions,) + expert_rows.shape[1:], expert_rows.dtype)
-  returned = jax.ffi.ffi_call("jk_ep_from_experts", out_type)(
-      rank, expert_rows, blocks, send_kept, offsets, after, heap_id=np.int64(config.heap_id),
-      num_ranks=np.int32(config.num_ranks), experts_per_rank=np.int32(config.experts_per_rank))
-  return _varying(returned, config.axis_name)
+  return _extension.ffi_call(
+      "jk_ep_from_experts", out_type, rank, expert_rows, blocks, send_kept, offsets, after,
+      heap_id=np.int64(config.heap_id), num_ranks=np.int32(config.num_ranks),
+      experts_per_rank=np.int32(config.experts_per_rank))
 
 
 # The transports are linear and each other's transpose given one plan. Integer operands get no cotangent.

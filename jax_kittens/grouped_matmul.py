@@ -79,6 +79,13 @@ def _limit_attr(swiglu_limit):
   return np.float32(swiglu_limit)
 
 
+def _cotangent_for(cotangent, primal):
+  """The cotangent of one rank's operand summed over the shard_map axes the operand does not vary over (what
+  lax.ragged_dot's VJP does for, say, weights replicated over a data axis), so it has its primal's type."""
+  extra = _extension.varying_axes(cotangent) - _extension.varying_axes(primal)
+  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The FFI ops.
 
@@ -120,8 +127,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)
-  return jax.ffi.ffi_call("jk_gmm", out_type, vmap_method="sequential")(
-      lhs, rhs, rhs2, group_offsets, group_sizes, transpose_rhs=bool(transpose_rhs))
+  return _extension.ffi_call("jk_gmm", out_type, lhs, rhs, rhs2, group_offsets, group_sizes,
+                             vmap_method="sequential", transpose_rhs=bool(transpose_rhs))
 
 
 def gmm_swiglu(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: jax.Array,
@@ -156,8 +163,8 @@ def gmm_swiglu(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offs
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16))
-  act, gate, up = jax.ffi.ffi_call("jk_gmm_swiglu", out_types, vmap_method="sequential")(
-      x_rows, w_gate, w_up, group_offsets, group_sizes, swiglu_limit=limit)
+  act, gate, up = _extension.ffi_call("jk_gmm_swiglu", out_types, x_rows, w_gate, w_up, group_offsets, group_sizes,
+                                      vmap_method="sequential", swiglu_limit=limit)
   return (act, gate, up) if save_preactivations else act
 
 
@@ -201,8 +208,9 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows,), jnp.float32))
-  return tuple(jax.ffi.ffi_call("jk_gmm_swiglu_dgrad", out_types, vmap_method="sequential")(
-      dy_rows, w_down, gate, up, row_weights, group_offsets, group_sizes, swiglu_limit=_limit_attr(swiglu_limit)))
+  return tuple(_extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy_rows, w_down, gate, up, row_weights,
+                                   group_offsets, group_sizes, vmap_method="sequential",
+                                   swiglu_limit=_limit_attr(swiglu_limit)))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
@@ -236,8 +244,8 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
       raise ValueError(f"row_scale must have shape [R={rows}], got {tuple(row_scale.shape)}")
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((num_groups, k, rhs.shape[1]), out_dtype)
-  return jax.ffi.ffi_call("jk_tgmm", out_type, vmap_method="sequential")(
-      lhs, rhs, row_scale, group_offsets, group_sizes)
+  return _extension.ffi_call("jk_tgmm", out_type, lhs, rhs, row_scale, group_offsets, group_sizes,
+                             vmap_method="sequential")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,8 +269,8 @@ def _ragged_dot_bwd(out_dtype, residuals, d_out):
   lhs, rhs, group_sizes = residuals
   offsets = _offsets_of(group_sizes)
   d_out = d_out.astype(jnp.bfloat16)
-  d_lhs = gmm(d_out, rhs, offsets, group_sizes, transpose_rhs=True)
-  d_rhs = tgmm(lhs, d_out, offsets, group_sizes, out_dtype=jnp.float32).astype(rhs.dtype)
+  d_lhs = _cotangent_for(gmm(d_out, rhs, offsets, group_sizes, transpose_rhs=True), lhs)
+  d_rhs = _cotangent_for(tgmm(lhs, d_out, offsets, group_sizes, out_dtype=jnp.float32).astype(rhs.dtype), rhs)
   return d_lhs, d_rhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 

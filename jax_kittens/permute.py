@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kittens import _extension
 from jax_kittens.routing import Schedule
 
 _VALUE_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -67,8 +68,8 @@ def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax
     weights = jnp.zeros((0,), jnp.float32)
   out_types = (jax.ShapeDtypeStruct((num_rows, x.shape[1]), x.dtype),
                jax.ShapeDtypeStruct((num_rows if with_row_weights else 0,), jnp.float32))
-  x_rows, row_weights = jax.ffi.ffi_call("jk_moe_gather", out_types, vmap_method="sequential")(
-      x, rows, weights, offsets, counts, poison_outputs=bool(poison_outputs))
+  x_rows, row_weights = _extension.ffi_call("jk_moe_gather", out_types, x, rows, weights, offsets, counts,
+                                            vmap_method="sequential", poison_outputs=bool(poison_outputs))
   return (x_rows, row_weights) if with_row_weights else x_rows
 
 
@@ -111,8 +112,8 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
       raise ValueError(f"addend must be [T={num_tokens}, H={hidden}] {values.dtype}, got "
                        f"{addend.dtype}{tuple(addend.shape)}")
   out_type = jax.ShapeDtypeStruct((num_tokens, hidden), values.dtype)
-  return jax.ffi.ffi_call("jk_moe_combine", out_type, vmap_method="sequential")(
-      values, rows, weights, addend, poison_outputs=bool(poison_outputs))
+  return _extension.ffi_call("jk_moe_combine", out_type, values, rows, weights, addend, vmap_method="sequential",
+                             poison_outputs=bool(poison_outputs))
 
 
 def slots_of_rows(row_values: jax.Array, rows: jax.Array) -> jax.Array:

@@ -121,36 +121,38 @@ def _route_ids_ffi(logits, top_k, score, bias, renormalize, num_groups, top_grou
   out_types = (jax.ShapeDtypeStruct(logits.shape[:-1] + (top_k,), jnp.float32),
                jax.ShapeDtypeStruct(logits.shape[:-1] + (top_k,), jnp.int32))
   # Leading dims are flattened into tokens by the handler, so batching only has to broadcast.
-  weights, ids = jax.ffi.ffi_call("jk_route", out_types, vmap_method="broadcast_all")(
-      logits, bias, top_k=np.int32(top_k), score=np.int32(_SCORE_CODE[score]), renormalize=bool(renormalize),
-      num_groups=np.int32(num_groups or 1), top_groups=np.int32(top_groups or 1), has_bias=has_bias)
+  weights, ids = _extension.ffi_call(
+      "jk_route", out_types, logits, bias, vmap_method="broadcast_all", top_k=np.int32(top_k),
+      score=np.int32(_SCORE_CODE[score]), renormalize=bool(renormalize), num_groups=np.int32(num_groups or 1), top_groups=np.int32(top_groups or 1), has_bias=has_bias)
   return weights, ids
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+# The FFI op chooses and weighs in one pass but has no derivative; the weights' derivative is that of
+# `routing_weights` at the chosen ids, attached by a custom JVP (so transposition, vmap and shard_map's
+# varying-axis types all come from JAX itself).
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _with_routing_derivative(weights, logits, ids, score, renormalize):
+  del logits, ids
+  return weights
+
+
+@_with_routing_derivative.defjvp
+def _with_routing_derivative_jvp(score, renormalize, primals, tangents):
+  weights, logits, ids = primals
+  _, d_logits, _ = tangents
+  _, d_weights = jax.jvp(lambda l: routing_weights(l, ids, score, renormalize), (logits,), (d_logits,))
+  return weights, d_weights
+
+
 def _route(logits, bias, top_k, score, renormalize, num_groups, top_groups, backend):
+  # The bias only selects: no derivative flows to it (DeepSeek-V3 updates it outside the loss).
+  bias = None if bias is None else jax.lax.stop_gradient(bias)
   if backend == "xla":
-    ids = _route_ids_xla(logits, top_k, score, bias, num_groups, top_groups)
+    ids = _route_ids_xla(jax.lax.stop_gradient(logits), top_k, score, bias, num_groups, top_groups)
     return routing_weights(logits, ids, score, renormalize), ids
-  return _route_ids_ffi(logits, top_k, score, bias, renormalize, num_groups, top_groups)
-
-
-def _route_fwd(logits, bias, top_k, score, renormalize, num_groups, top_groups, backend):
-  weights, ids = _route(logits, bias, top_k, score, renormalize, num_groups, top_groups, backend)
-  return (weights, ids), (logits, bias, ids)
-
-
-def _route_bwd(top_k, score, renormalize, num_groups, top_groups, backend, residuals, cotangents):
-  del top_k, num_groups, top_groups, backend
-  logits, bias, ids = residuals
-  d_weights, _ = cotangents
-  _, pullback = jax.vjp(lambda l: routing_weights(l, ids, score, renormalize).astype(jnp.float32), logits)
-  (d_logits,) = pullback(d_weights)
-  # The bias only selects; it has no gradient (DeepSeek-V3 updates it outside the loss).
-  return d_logits.astype(logits.dtype), None if bias is None else jnp.zeros_like(bias)
-
-
-_route.defvjp(_route_fwd, _route_bwd)
+  weights, ids = _route_ids_ffi(jax.lax.stop_gradient(logits), top_k, score, bias, renormalize, num_groups,
+                                top_groups)
+  return _with_routing_derivative(weights, logits, ids, score, renormalize), ids
 
 
 def route(logits: jax.Array, top_k: int, *, score: str = "softmax", bias: jax.Array | None = None,
@@ -199,8 +201,8 @@ def _schedule_ffi(ids, num_experts, align):
   out_types = (jax.ShapeDtypeStruct((num_experts,), jnp.int32),
                jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
                jax.ShapeDtypeStruct(ids.shape, jnp.int32))
-  return Schedule(*jax.ffi.ffi_call("jk_schedule", out_types, vmap_method="sequential")(
-      ids, num_experts=np.int32(num_experts), align=np.int32(align)))
+  return Schedule(*_extension.ffi_call("jk_schedule", out_types, ids, vmap_method="sequential",
+                                       num_experts=np.int32(num_experts), align=np.int32(align)))
 
 
 def schedule(ids: jax.Array, num_experts: int, *, align: int = 1, backend: str = "auto") -> Schedule:

@@ -103,7 +103,7 @@ def _geometry(name, hidden, intermediate, top_k, num_experts):
 
 
 CONFIGS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(name="tiny"),
+    "tiny": ModelConfig(name="tiny", batch_size=8, steps=200, warmup_steps=20, eval_every=50),
     "small": ModelConfig(name="small", hidden=512, num_layers=4, num_heads=8, dense_intermediate=2048,
                          num_experts=16, top_k=2, expert_intermediate=512, shared_intermediate=512, seq_len=512,
                          batch_size=32, steps=2000, warmup_steps=100, learning_rate=1e-3, eval_every=250,

@@ -5,7 +5,8 @@
 Parallelism: one 1-D mesh axis "data" over all devices. Tokens are split over it (data parallel); the routed expert
 weights are split over it too when it divides num_experts (expert parallelism: `moe_ffn(axis_name="data")` moves
 tokens to their experts), and replicated otherwise. The loss runs inside ``jax.shard_map`` and the gradient is
-taken outside it, so JAX sums the replicated parameters' gradients. On one device no mesh is used.
+taken outside it, so JAX sums the replicated parameters' gradients. On one device no mesh is used. The
+load-balancing loss is computed per data shard (its own tokens' f_e and P_e) and averaged over shards.
 
 Sigmoid routing: after each optimizer step the router bias of every MoE layer moves by
 `jax_kittens.nn.update_router_bias` on the step's expert load summed over all data shards.
@@ -81,8 +82,8 @@ class Trainer:
     self.graphdef, params, router_state = nnx.split(model, nnx.Param, ...)
     self._params_def = jax.tree.structure(params)
     self._router_def = jax.tree.structure(router_state)
-    self._init_params = params.to_pure_dict()
-    self._init_router_state = router_state.to_pure_dict()
+    self._init_params = nnx.to_pure_dict(params)
+    self._init_router_state = nnx.to_pure_dict(router_state)
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._init_params))
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps, config.steps,
                                                   end_value=config.learning_rate * 0.1)
@@ -112,10 +113,18 @@ class Trainer:
 
   def init_state(self) -> TrainState:
     """Fresh parameters (from ``seed``), zero router biases, optimizer state, step 0, placed on the mesh."""
-    params = self._place(self._init_params, self.param_specs(self._init_params))
+    # Copies: the train step donates its state, and device_put to the arrays' own device would not copy.
+    params = self._place(jax.tree.map(jnp.array, self._init_params), self.param_specs(self._init_params))
     router_state = self._place(self._init_router_state, jax.tree.map(lambda _: P(), self._init_router_state))
     opt_state = jax.jit(self.optimizer.init)(params)
-    return TrainState(params, router_state, opt_state, jnp.zeros((), jnp.int32))
+    state = TrainState(params, router_state, opt_state, jnp.zeros((), jnp.int32))
+    # Commit every leaf to its device(s) as the train step's outputs are, or the second step would compile again.
+    if self.mesh is None:
+      return jax.device_put(state, self.devices[0])
+    replicated = NamedSharding(self.mesh, P())
+    return dataclasses.replace(state, opt_state=jax.tree.map(
+        lambda x: x if x.sharding.is_fully_addressable and x.committed else jax.device_put(x, replicated), opt_state),
+        step=jax.device_put(state.step, replicated))
 
   # --- the model's loss ----------------------------------------------------------------------------------------
   def _merge(self, params, router_state) -> MoETransformer:
@@ -160,7 +169,7 @@ class Trainer:
     moe_blocks = [block for block in model.blocks if block.is_moe]
     for block, layer_load in zip(moe_blocks, load):
       block.ffn.apply_bias_update(layer_load, self.config.bias_update_rate)
-    return nnx.split(model, nnx.Param, ...)[2].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
 
   def _eval_loss(self, state: TrainState, batch):
     return self._loss(state.params, state.router_state, batch)[1][0]
@@ -321,7 +330,7 @@ def main(argv=None) -> None:
   parser.add_argument("--ckpt-dir", type=pathlib.Path, help="orbax checkpoint directory (saved at the end)")
   parser.add_argument("--ckpt-every", type=int, help="also save every N steps")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-  parser.add_argument("--out-dir", type=pathlib.Path, help="summary.json and loss.png (default models/runs/CONFIG)")
+  parser.add_argument("--out-dir", type=pathlib.Path, help="summary.json and loss.png (default runs/CONFIG)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   overrides = {name: value for name, value in (("steps", args.steps), ("batch_size", args.batch_size),
@@ -334,7 +343,7 @@ def main(argv=None) -> None:
     config = get_config(args.config, **overrides)
   except ValueError as error:
     parser.error(str(error))
-  out_dir = args.out_dir or pathlib.Path(__file__).parent / "runs" / config.name
+  out_dir = args.out_dir or pathlib.Path(__file__).resolve().parent.parent / "runs" / config.name
   began = time.perf_counter()
   train(config, backend=args.backend, out_dir=out_dir, ckpt_dir=args.ckpt_dir, resume=args.resume,
         ckpt_every=args.ckpt_every, seed=args.seed)

@@ -91,12 +91,11 @@ class MoETransformer(nnx.Module):
   """Decoder-only MoE LM. ``logits, aux = model(tokens)``: tokens [B, S] int32 -> logits [B, S, V] float32 and
   aux a list of one `MoEAux` per MoE layer.
 
-  ``backend`` and ``axis_name`` go to every MoE layer (`jax_kittens.moe.moe_ffn`); with ``axis_name`` the model
-  must run inside ``shard_map`` with the routed expert weights split over that axis.
+  ``backend`` and ``axis_name`` go to every MoE layer (`jax_kittens.moe.moe_ffn`); with ``axis_name`` the model must
+  run inside ``shard_map`` with the routed expert weights split over that axis.
   """
 
-  def __init__(self, config: ModelConfig, *, backend: str = "auto", axis_name: str | None = None,
-               rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, backend: str = "auto", axis_name: str | None = None, rngs: nnx.Rngs):
     config.validate()
     self.config = config
     moe = moe_config(config, backend=backend, axis_name=axis_name)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_kittens as jk
 
@@ -136,6 +136,20 @@ def test_route_under_shard_map():
   expected_weights, expected_ids = jk.route(logits, 4, backend="xla")
   np.testing.assert_array_equal(ids, expected_ids)
   np.testing.assert_allclose(weights, expected_weights, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["kittens", "xla"])
+def test_route_gradient_under_shard_map(backend):
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("data",))
+  logits = jax.device_put(jax.random.normal(jax.random.key(8), (4 * 9, 16)), NamedSharding(mesh, P("data")))
+  probe = jax.random.normal(jax.random.key(10), (4 * 9, 3))
+
+  def loss(l, p):
+    return jax.lax.psum(jnp.sum(jk.route(l, 3, backend=backend)[0] * p), "data")
+
+  sharded = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))
+  expected = jax.grad(lambda l: jnp.sum(jk.route(l, 3, backend="xla")[0] * probe))(logits)
+  np.testing.assert_allclose(sharded(logits, probe), expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -29,7 +29,7 @@ class MoEConfig:
   sum Is_i), or None for none.
   swiglu_limit: optional clamp before the SwiGLU (see `jax_kittens.moe.moe_ffn`).
   axis_name: the ``shard_map`` mesh axis the routed experts are split over (expert parallelism), or None.
-  backend: `moe_ffn`'s backend, "auto" | "kittens" | "xla"; `route` runs pure JAX for "xla", its FFI op otherwise.
+  backend: `moe_ffn`'s backend, "auto" | "kittens" | "xla".
   dtype: compute dtype of the expert GEMMs (params are cast to it); the router runs in float32.
   """
 
@@ -149,7 +149,7 @@ def moe_layer(config: MoEConfig, params: dict[str, jax.Array], router_bias: jax.
   lead_shape = x.shape[:-1]
   tokens = x.reshape(-1, config.hidden).astype(config.dtype)
   logits = jnp.dot(tokens.astype(jnp.float32), params["router"].astype(jnp.float32))
-  # The router follows the layer's backend so that backend="xla" is pure JAX end to end.
+  # By default the router follows the layer's backend so that backend="xla" is pure JAX end to end.
   route_backend = "xla" if config.backend == "xla" else "kittens"
   bias = router_bias if config.score == "sigmoid" else None
   weights, ids = routing.route(logits, config.top_k, score=config.score, bias=bias,

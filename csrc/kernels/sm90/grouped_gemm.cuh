@@ -318,7 +318,9 @@ __device__ __forceinline__ void epilogue(const Params& p, const Tile& tile, bool
         store_pair(out, col, lo, hi);
       }
     } else {
-      if (r_local >= tile.written) continue;
+      // dgrad keeps rows past the tile in the loop: its quad shuffles below need all 32 lanes of the warp.
+      const bool in_tile = r_local < tile.written;
+      if (kMode != Mode::kSwigluDgrad && !in_tile) continue;
       const bool data = has_data && r_local < tile.valid;
       const int64_t row = static_cast<int64_t>(tile.row0) + r_local;
       if constexpr (kMode == Mode::kGmm) {
@@ -369,13 +371,15 @@ __device__ __forceinline__ void epilogue(const Params& p, const Tile& tile, bool
             dg_bits = pack_bf16x2(dg[0], dg[1]);
             du_bits = pack_bf16x2(du[0], du[1]);
           }
-          *reinterpret_cast<uint32_t*>(d_gate + col) = dg_bits;
-          *reinterpret_cast<uint32_t*>(d_up + col) = du_bits;
+          if (in_tile) {
+            *reinterpret_cast<uint32_t*>(d_gate + col) = dg_bits;
+            *reinterpret_cast<uint32_t*>(d_up + col) = du_bits;
+          }
         }
         // The four lanes of a quad hold one row: a fixed butterfly order keeps the sum deterministic.
         row_partial += __shfl_xor_sync(0xFFFFFFFF, row_partial, 1);
         row_partial += __shfl_xor_sync(0xFFFFFFFF, row_partial, 2);
-        if ((lane & 3) == 0) p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = row_partial;
+        if (in_tile && (lane & 3) == 0) p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = row_partial;
       }
     }
   }
