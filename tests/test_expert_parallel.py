@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_kittens import expert_parallel, moe, reference, symmetric_heap
 from jax_kittens.symmetric_heap import SymmetricHeap
 from moe_oracle import kept_under_capacity, moe_forward_backward, random_layer
+from sharded import ep_mesh, sharded_forward_backward
 
 TOLERANCE = dict(rtol=2e-4, atol=2e-4)
 
@@ -29,37 +30,20 @@ def rng():
   return np.random.default_rng(seed)
 
 
-def _mesh(num_ranks, platform="cpu"):
-  return Mesh(np.array(jax.devices(platform)[:num_ranks]), ("ep",))
-
-
 def _run_layer(mesh, layer, d_y, *, capacity_factor=None, swiglu_limit=None, heap=None, backend="kittens",
                recompute=False):
   """y, stats and gradients (x, weights, w_gate, w_up, w_down, shared) of moe_ffn split over the "ep" axis."""
-  shared = layer.get("shared_experts")
 
-  def local(x, weights, ids, w_gate, w_up, w_down, d_y, shared):
-    def loss(x, weights, w_gate, w_up, w_down, shared):
-      if heap is None:
-        y, stats = moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared,
-                               swiglu_limit=swiglu_limit, axis_name="ep", capacity_factor=capacity_factor,
-                               return_stats=True, backend=backend, recompute=recompute)
-      else:
-        y, stats = expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared,
-                                           swiglu_limit=swiglu_limit, axis_name="ep",
-                                           capacity_factor=capacity_factor, return_stats=True, heap=heap)
-      return jnp.sum(y.astype(jnp.float32) * d_y), (y, stats)
+  def layer_fn(x, weights, ids, w_gate, w_up, w_down, shared):
+    if heap is None:
+      return moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared, swiglu_limit=swiglu_limit,
+                         axis_name="ep", capacity_factor=capacity_factor, return_stats=True, backend=backend,
+                         recompute=recompute)
+    return expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared,
+                                   swiglu_limit=swiglu_limit, axis_name="ep", capacity_factor=capacity_factor,
+                                   return_stats=True, heap=heap)
 
-    grads, (y, stats) = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(x, weights, w_gate, w_up, w_down,
-                                                                             shared)
-    return y, jax.tree.map(lambda s: s[None], stats), grads
-
-  tokens = P("ep")
-  run = jax.jit(jax.shard_map(local, mesh=mesh,
-                              in_specs=(tokens, tokens, tokens, P("ep"), P("ep"), P("ep"), tokens, P()),
-                              out_specs=(tokens, P("ep"), (tokens, tokens, P("ep"), P("ep"), P("ep"), P()))))
-  return run(layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"], d_y,
-             shared)
+  return sharded_forward_backward(mesh, layer_fn, layer, d_y)
 
 
 def _assert_matches_oracle(y, grads, want_y, want_grads, tolerance=TOLERANCE):
@@ -79,7 +63,7 @@ def test_matches_single_device(rng, num_ranks, load, shared, limit):
   layer = random_layer(rng, local_tokens * num_ranks, 16, 12, local_experts * num_ranks, top_k, load=load,
                        shared=shared)
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _run_layer(_mesh(num_ranks), layer, d_y, swiglu_limit=limit)
+  y, stats, grads = _run_layer(ep_mesh(num_ranks), layer, d_y, swiglu_limit=limit)
   want_y, want_grads = moe_forward_backward(**layer, d_y=d_y, swiglu_limit=limit)
   _assert_matches_oracle(y, grads, want_y, want_grads)
   np.testing.assert_array_equal(stats.dropped_tokens, 0)
@@ -99,7 +83,7 @@ def test_expert_without_tokens_idle_rank_and_invalid_ids(rng):
   layer["ids"][5, 0] = local_experts * num_ranks
   kept = (layer["ids"] >= 0) & (layer["ids"] < local_experts * num_ranks)
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _run_layer(_mesh(num_ranks), layer, d_y)
+  y, stats, grads = _run_layer(ep_mesh(num_ranks), layer, d_y)
   want_y, want_grads = moe_forward_backward(**{**layer, "ids": np.where(kept, layer["ids"], 0)}, d_y=d_y, kept=kept)
   _assert_matches_oracle(y, grads, want_y, want_grads)
   assert int(stats.received_tokens[1]) == 0
@@ -111,7 +95,7 @@ def test_capacity_drops_deterministically_and_counts(rng, num_ranks, capacity_fa
   local_tokens, local_experts, top_k = 16, 2, 2
   layer = random_layer(rng, local_tokens * num_ranks, 8, 8, local_experts * num_ranks, top_k, load="skewed")
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _run_layer(_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
+  y, stats, grads = _run_layer(ep_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
   capacity = reference.receive_capacity(local_tokens, top_k, num_ranks, capacity_factor)
   kept = kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
   assert (~kept).sum() > 0
@@ -121,7 +105,7 @@ def test_capacity_drops_deterministically_and_counts(rng, num_ranks, capacity_fa
   np.testing.assert_array_equal(stats.received_tokens,
                                 np.bincount((layer["ids"] // local_experts)[kept], minlength=num_ranks))
   # The same drops as the pure-JAX ragged_all_to_all path, to the bit of its statistics.
-  _, xla_stats, _ = _run_layer(_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor, backend="xla")
+  _, xla_stats, _ = _run_layer(ep_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor, backend="xla")
   np.testing.assert_array_equal(stats.dropped_tokens, xla_stats.dropped_tokens)
 
 
@@ -131,7 +115,7 @@ def test_bfloat16_and_recompute(rng):
   bf16 = {name: (jnp.asarray(value, jnp.bfloat16) if name not in ("ids", "weights") else value)
           for name, value in layer.items()}
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, _, grads = _run_layer(_mesh(num_ranks), bf16, d_y, recompute=True)
+  y, _, grads = _run_layer(ep_mesh(num_ranks), bf16, d_y, recompute=True)
   want_y, want_grads = moe_forward_backward(**{k: np.asarray(v, np.float32) for k, v in bf16.items() if k != "ids"},
                                             ids=layer["ids"], d_y=d_y)
   scale = np.abs(want_y).max()
@@ -157,7 +141,7 @@ def test_heap_does_not_grow_over_1000_calls(rng):
   num_ranks = 4
   layer = random_layer(rng, 4 * num_ranks, 8, 8, 2 * num_ranks, 2, load="skewed")
   heap = SymmetricHeap.create(jax.devices("cpu")[:num_ranks], symmetric_heap.region_bytes_for(1 << 16))
-  run = _forward(_mesh(num_ranks), heap)
+  run = _forward(ep_mesh(num_ranks), heap)
   args = _layer_args(layer)
   first, _ = run(*args)
   stats_before = symmetric_heap.heap_stats()
@@ -172,7 +156,7 @@ def test_heap_does_not_grow_over_1000_calls(rng):
 
 def test_default_heap_survives_recompiles(rng):
   layer = random_layer(rng, 8, 8, 8, 4, 2)
-  mesh = _mesh(2)
+  mesh = ep_mesh(2)
   y_first, _ = _forward(mesh, None)(*_layer_args(layer))
   live = symmetric_heap.heap_stats()
   jax.clear_caches()
@@ -188,7 +172,7 @@ def test_peer_that_never_signals_times_out(rng):
                               timeout_s=0.3)
   heap._set_skip_signal_rank(0)
   with pytest.raises(Exception, match="timed out"):
-    jax.block_until_ready(_forward(_mesh(num_ranks), heap)(*_layer_args(layer)))
+    jax.block_until_ready(_forward(ep_mesh(num_ranks), heap)(*_layer_args(layer)))
   with pytest.raises(RuntimeError, match="rank 0 never signalled"):
     heap.check()
   heap.close()
@@ -201,7 +185,7 @@ def test_bad_axis_mesh_and_heap_raise(rng):
   def call(axis_name, heap=None):
     def local(x, weights, ids, w_gate, w_up, w_down):
       return expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, axis_name=axis_name, heap=heap)
-    return jax.shard_map(local, mesh=_mesh(2), in_specs=(P("ep"),) * 6, out_specs=P("ep"))(*args)
+    return jax.shard_map(local, mesh=ep_mesh(2), in_specs=(P("ep"),) * 6, out_specs=P("ep"))(*args)
 
   with pytest.raises(ValueError, match="axis_name='nope'"):
     call("nope")
@@ -219,7 +203,7 @@ def test_bad_axis_mesh_and_heap_raise(rng):
     return expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, axis_name="ep", heap=tiny)
 
   with pytest.raises(ValueError, match="region_bytes >="):
-    jax.shard_map(local_tiny, mesh=_mesh(2), in_specs=(P("ep"),) * 6, out_specs=P("ep"))(*_layer_args(big))
+    jax.shard_map(local_tiny, mesh=ep_mesh(2), in_specs=(P("ep"),) * 6, out_specs=P("ep"))(*_layer_args(big))
   tiny.close()
 
   # Two expert-parallel groups (a data axis beside "ep") would share one heap's ranks.
@@ -259,14 +243,14 @@ def _assert_close_to_reference(y, layer):
 def test_gpu_single_rank_through_the_kernels(rng):
   layer = _gpu_layer(rng)
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _run_layer(_mesh(1, "gpu"), layer, d_y)
+  y, stats, grads = _run_layer(ep_mesh(1, "gpu"), layer, d_y)
   _assert_close_to_reference(y, layer)
   assert int(stats.dropped_tokens[0]) == 0
-  _, _, xla_grads = _run_layer(_mesh(1, "gpu"), layer, d_y, backend="xla")
+  _, _, xla_grads = _run_layer(ep_mesh(1, "gpu"), layer, d_y, backend="xla")
   for got, want in zip(grads[:5], xla_grads[:5]):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2 * np.abs(want).max())
-  y, _ = _forward(_mesh(1, "gpu"), None, capacity_factor=0.5)(*_layer_args(layer))
+  y, _ = _forward(ep_mesh(1, "gpu"), None, capacity_factor=0.5)(*_layer_args(layer))
   jax.block_until_ready(y)
   symmetric_heap.default_heap(1, 0, "gpu").check()
 
@@ -279,7 +263,7 @@ def test_gpu_timeout_is_recorded_not_a_hang(rng):
   try:
     # A kernel cannot fail its XLA execution: the call completes (its output is garbage) unless a later call on the
     # heap already saw the recorded error and failed.
-    jax.block_until_ready(_forward(_mesh(1, "gpu"), heap)(*_layer_args(layer)))
+    jax.block_until_ready(_forward(ep_mesh(1, "gpu"), heap)(*_layer_args(layer)))
   except Exception as error:  # noqa: BLE001
     assert "timed out" in str(error)
   with pytest.raises(RuntimeError, match="never signalled"):
@@ -294,7 +278,7 @@ def test_gpu_nvshmem_heap_in_one_process(rng):
     pytest.skip("the one-process NVSHMEM test needs exactly one visible GPU (CUDA_VISIBLE_DEVICES=0)")
   layer = _gpu_layer(rng, load="uniform")
   heap = SymmetricHeap.nvshmem(symmetric_heap.region_bytes_for(1 << 22))
-  y, _ = _forward(_mesh(1, "gpu"), heap)(*_layer_args(layer))
+  y, _ = _forward(ep_mesh(1, "gpu"), heap)(*_layer_args(layer))
   _assert_close_to_reference(y, layer)
   heap.check()
 
@@ -308,7 +292,7 @@ def test_gpu_all_local_gpus_single_process_heap(rng):
   layer = {name: (jnp.asarray(value, jnp.bfloat16) if name not in ("ids", "weights") else value)
            for name, value in layer.items()}
   for _ in range(3):  # several steps on one heap: the epochs must keep the ranks in step
-    y, _ = _forward(_mesh(num_gpus, "gpu"), None)(*_layer_args(layer))
+    y, _ = _forward(ep_mesh(num_gpus, "gpu"), None)(*_layer_args(layer))
   _assert_close_to_reference(y, layer)
   symmetric_heap.default_heap(num_gpus, 0, "gpu").check()
 

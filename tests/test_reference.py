@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_kittens import reference
 from moe_oracle import kept_under_capacity, moe_forward_backward, random_layer
+from sharded import ep_mesh, sharded_forward_backward
 
 # Float32 GEMMs of these sizes against float64: errors are ~1e-6 of the values; 1e-4 still catches any wrong entry.
 TOLERANCE = dict(rtol=2e-4, atol=2e-4)
@@ -113,32 +113,14 @@ def test_ids_outside_experts_are_dropped(rng):
   assert int(stats.received_tokens) == 19 * 2 - 2
 
 
-def _mesh(num_ranks):
-  return Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
-
-
 def _expert_parallel(mesh, layer, d_y, capacity_factor=None, swiglu_limit=None):
   """y, stats and gradients of the expert-parallel reference: tokens and experts split over the "ep" axis."""
-  shared = layer.get("shared_experts")
 
-  def local(x, weights, ids, w_gate, w_up, w_down, d_y, shared):
-    def loss(x, weights, w_gate, w_up, w_down, shared):
-      y, stats = reference.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared,
-                                   swiglu_limit=swiglu_limit, axis_name="ep", capacity_factor=capacity_factor,
-                                   return_stats=True)
-      return jnp.sum(y * d_y), (y, stats)
+  def layer_fn(x, weights, ids, w_gate, w_up, w_down, shared):
+    return reference.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared, swiglu_limit=swiglu_limit,
+                             axis_name="ep", capacity_factor=capacity_factor, return_stats=True)
 
-    grads, (y, stats) = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(x, weights, w_gate, w_up, w_down,
-                                                                             shared)
-    # Shared weights are replicated (unvarying): shard_map's transpose already sums their gradient over the ranks.
-    return y, jax.tree.map(lambda s: s[None], stats), grads
-
-  tokens = P("ep")
-  run = jax.jit(jax.shard_map(local, mesh=mesh,
-                              in_specs=(tokens, tokens, tokens, P("ep"), P("ep"), P("ep"), tokens, P()),
-                              out_specs=(tokens, P("ep"), (tokens, tokens, P("ep"), P("ep"), P("ep"), P()))))
-  return run(layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"], d_y,
-             shared)
+  return sharded_forward_backward(mesh, layer_fn, layer, d_y)
 
 
 @pytest.mark.parametrize("num_ranks,load,shared", [(2, "skewed", None), (4, "uniform", 6), (8, "skewed", None),
@@ -148,7 +130,7 @@ def test_expert_parallel_matches_single_device(rng, num_ranks, load, shared):
   layer = random_layer(rng, local_tokens * num_ranks, 16, 12, local_experts * num_ranks, top_k, load=load,
                        shared=shared)
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _expert_parallel(_mesh(num_ranks), layer, d_y, swiglu_limit=1.5)
+  y, stats, grads = _expert_parallel(ep_mesh(num_ranks), layer, d_y, swiglu_limit=1.5)
   want_y, want_grads = _loss_and_grads(layer, d_y, swiglu_limit=1.5)
   np.testing.assert_allclose(y, want_y, **TOLERANCE)
   for name, got, want in zip(("x", "weights", "w_gate", "w_up", "w_down"), grads, want_grads):
@@ -165,7 +147,7 @@ def test_expert_parallel_capacity_drops_and_counts(rng):
   num_ranks, local_tokens, local_experts, top_k, capacity_factor = 4, 16, 2, 2, 0.75
   layer = random_layer(rng, local_tokens * num_ranks, 8, 8, local_experts * num_ranks, top_k, load="skewed")
   d_y = rng.standard_normal(layer["x"].shape).astype(np.float32)
-  y, stats, grads = _expert_parallel(_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
+  y, stats, grads = _expert_parallel(ep_mesh(num_ranks), layer, d_y, capacity_factor=capacity_factor)
   capacity = reference.receive_capacity(local_tokens, top_k, num_ranks, capacity_factor)
   kept = kept_under_capacity(layer["ids"], num_ranks, local_experts, capacity)
   assert 0 < (~kept).sum()
