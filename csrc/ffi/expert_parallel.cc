@@ -230,44 +230,15 @@ ffi::Error FromExpertsCpu(ffi::Buffer<ffi::S32> rank, ffi::AnyBuffer expert_rows
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpPlanCpuHandler, PlanCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank")
-                                  .Attr<int32_t>("capacity"));
+                              ep_plan_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_ep_plan", "cpu", EpPlanCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpToExpertsCpuHandler, ToExpertsCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // after: an ordering edge only
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank")
-                                  .Attr<int32_t>("chunk_rows"));
+                              ep_to_experts_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_ep_to_experts", "cpu", EpToExpertsCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpFromExpertsCpuHandler, FromExpertsCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // after: an ordering edge only
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank"));
+                              ep_from_experts_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_ep_from_experts", "cpu", EpFromExpertsCpuHandler);
 
 }  // namespace jk

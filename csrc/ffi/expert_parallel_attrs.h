@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <string>
 
 #include "ffi/ffi_util.h"
@@ -61,6 +62,57 @@ inline ffi::Error check_layout(const ep::Layout& layout, int64_t num_experts_ope
   JK_FFI_CHECK(num_experts_operand == layout.num_experts(), "counts must have num_ranks * experts_per_rank entries");
   JK_FFI_CHECK(layout.capacity >= 0, "capacity must be non-negative");
   return ffi::Error::Success();
+}
+
+}  // namespace jk
+
+namespace jk {
+
+// The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
+// platform context first).
+
+template <typename Binding>
+auto ep_plan_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Attr<int64_t>("heap_id")
+      .template Attr<int32_t>("num_ranks")
+      .template Attr<int32_t>("experts_per_rank")
+      .template Attr<int32_t>("capacity");
+}
+
+template <typename Binding>
+auto ep_to_experts_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()  // after: an ordering edge only
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("heap_id")
+      .template Attr<int32_t>("num_ranks")
+      .template Attr<int32_t>("experts_per_rank")
+      .template Attr<int32_t>("chunk_rows");
+}
+
+template <typename Binding>
+auto ep_from_experts_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::AnyBuffer>()  // after: an ordering edge only
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("heap_id")
+      .template Attr<int32_t>("num_ranks")
+      .template Attr<int32_t>("experts_per_rank");
 }
 
 }  // namespace jk

@@ -128,51 +128,22 @@ ffi::Error FromExpertsCuda(cudaStream_t stream, int32_t device_ordinal, ffi::Buf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpPlanCudaHandler, PlanCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank")
-                                  .Attr<int32_t>("capacity"));
+                              ep_plan_signature(ffi::Ffi::Bind()
+                                                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<ffi::DeviceOrdinal>()
+                                                    .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_ep_plan", "CUDA", EpPlanCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpToExpertsCudaHandler, ToExpertsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // after: an ordering edge only
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank")
-                                  .Attr<int32_t>("chunk_rows"));
+                              ep_to_experts_signature(ffi::Ffi::Bind()
+                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<ffi::DeviceOrdinal>()));
 JK_REGISTER_FFI("jk_ep_to_experts", "CUDA", EpToExpertsCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpFromExpertsCudaHandler, FromExpertsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()  // after: an ordering edge only
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("heap_id")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("experts_per_rank"));
+                              ep_from_experts_signature(ffi::Ffi::Bind()
+                                                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                            .Ctx<ffi::DeviceOrdinal>()));
 JK_REGISTER_FFI("jk_ep_from_experts", "CUDA", EpFromExpertsCudaHandler);
 
 }  // namespace jk

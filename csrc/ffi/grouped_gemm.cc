@@ -248,52 +248,19 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCpuHandler, GmmCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_rhs"));
+                              gmm_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_gmm", "cpu", GmmCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCpuHandler, GmmSwigluCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<float>("swiglu_limit"));
+                              gmm_swiglu_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_gmm_swiglu", "cpu", GmmSwigluCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCpuHandler, GmmSwigluDgradCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("swiglu_limit"));
+                              gmm_swiglu_dgrad_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "cpu", GmmSwigluDgradCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCpuHandler, TgmmCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              tgmm_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_tgmm", "cpu", TgmmCpuHandler);
 
 }  // namespace jk

@@ -252,57 +252,24 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCudaHandler, GmmCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_rhs"));
+                              gmm_signature(ffi::Ffi::Bind()
+                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()));
 JK_REGISTER_FFI("jk_gmm", "CUDA", GmmCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCudaHandler, GmmSwigluCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<float>("swiglu_limit"));
+                              gmm_swiglu_signature(ffi::Ffi::Bind()
+                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()));
 JK_REGISTER_FFI("jk_gmm_swiglu", "CUDA", GmmSwigluCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCudaHandler, GmmSwigluDgradCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("swiglu_limit"));
+                              gmm_swiglu_dgrad_signature(ffi::Ffi::Bind()
+                                                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "CUDA", GmmSwigluDgradCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCudaHandler, TgmmCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              tgmm_signature(ffi::Ffi::Bind()
+                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()));
 JK_REGISTER_FFI("jk_tgmm", "CUDA", TgmmCudaHandler);
 
 }  // namespace jk

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <string>
 
 #include "ffi/ffi_util.h"
@@ -91,4 +92,64 @@ inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64
 }
 
 }  // namespace grouped_gemm
+}  // namespace jk
+
+namespace jk {
+
+// The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
+// platform context first).
+
+template <typename Binding>
+auto gmm_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("transpose_rhs");
+}
+
+template <typename Binding>
+auto gmm_swiglu_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Attr<float>("swiglu_limit");
+}
+
+template <typename Binding>
+auto gmm_swiglu_dgrad_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("swiglu_limit");
+}
+
+template <typename Binding>
+auto tgmm_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace jk

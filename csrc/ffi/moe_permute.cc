@@ -82,25 +82,11 @@ ffi::Error CombineCpu(ffi::AnyBuffer values, ffi::Buffer<ffi::S32> rows, ffi::Bu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherCpuHandler, GatherCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("poison_outputs"));
+                              moe_gather_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_moe_gather", "cpu", MoeGatherCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineCpuHandler, CombineCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("poison_outputs"));
+                              moe_combine_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_moe_combine", "cpu", MoeCombineCpuHandler);
 
 }  // namespace jk

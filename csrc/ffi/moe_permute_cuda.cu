@@ -73,28 +73,14 @@ ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<f
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGatherCudaHandler, GatherCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("poison_outputs"),
+                              moe_gather_signature(ffi::Ffi::Bind()
+                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_moe_gather", "CUDA", MoeGatherCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeCombineCudaHandler, CombineCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("poison_outputs"),
+                              moe_combine_signature(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_moe_combine", "CUDA", MoeCombineCudaHandler);
 

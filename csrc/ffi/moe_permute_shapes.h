@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "ffi/ffi_util.h"
 
@@ -57,3 +58,34 @@ inline ffi::Error combine_shape(ffi::AnyBuffer values, ffi::Span<const int64_t> 
 }
 
 }  // namespace jk::moe_permute
+
+namespace jk {
+
+// The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
+// platform context first).
+
+template <typename Binding>
+auto moe_gather_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<bool>("poison_outputs");
+}
+
+template <typename Binding>
+auto moe_combine_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("poison_outputs");
+}
+
+}  // namespace jk

@@ -63,27 +63,11 @@ ffi::Error ScheduleCpu(ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::S32> to
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RouteCpuHandler, RouteCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("top_k")
-                                  .Attr<int32_t>("score")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<int32_t>("num_groups")
-                                  .Attr<int32_t>("top_groups")
-                                  .Attr<bool>("has_bias"));
+                              route_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_route", "cpu", RouteCpuHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScheduleCpuHandler, ScheduleCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("num_experts")
-                                  .Attr<int32_t>("align"));
+                              schedule_signature(ffi::Ffi::Bind()));
 JK_REGISTER_FFI("jk_schedule", "cpu", ScheduleCpuHandler);
 
 }  // namespace jk

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "ffi/ffi_util.h"
 
@@ -46,6 +47,39 @@ inline ffi::Error check_schedule_shapes(const ffi::Buffer<ffi::S32>& ids, size_t
                "jk_schedule: expert_offsets must have num_experts + 1 elements");
   JK_FFI_CHECK(ids.element_count() < (size_t(1) << 31) / 2, "jk_schedule: too many (token, slot) entries");
   return ffi::Error::Success();
+}
+
+}  // namespace jk
+
+namespace jk {
+
+// The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
+// platform context first).
+
+template <typename Binding>
+auto route_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Attr<int32_t>("top_k")
+      .template Attr<int32_t>("score")
+      .template Attr<bool>("renormalize")
+      .template Attr<int32_t>("num_groups")
+      .template Attr<int32_t>("top_groups")
+      .template Attr<bool>("has_bias");
+}
+
+template <typename Binding>
+auto schedule_signature(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Attr<int32_t>("num_experts")
+      .template Attr<int32_t>("align");
 }
 
 }  // namespace jk

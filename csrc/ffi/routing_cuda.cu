@@ -49,31 +49,15 @@ ffi::Error ScheduleCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RouteCudaHandler, RouteCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("top_k")
-                                  .Attr<int32_t>("score")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<int32_t>("num_groups")
-                                  .Attr<int32_t>("top_groups")
-                                  .Attr<bool>("has_bias"),
+                              route_signature(ffi::Ffi::Bind()
+                                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_route", "CUDA", RouteCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScheduleCudaHandler, ScheduleCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("num_experts")
-                                  .Attr<int32_t>("align"));
+                              schedule_signature(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                     .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_schedule", "CUDA", ScheduleCudaHandler);
 
 }  // namespace jk
