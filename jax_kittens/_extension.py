@@ -28,15 +28,10 @@ def _register_targets() -> frozenset[tuple[str, str]]:
 REGISTERED_TARGETS = _register_targets()
 
 
-def cuda_built() -> bool:
-  """True when the extension holds the CUDA handlers."""
-  return bool(_jax_kittens.build_info()["cuda"])
-
-
 @functools.cache
 def cuda_available() -> bool:
-  """True when the CUDA handlers are built and JAX's default backend is a CUDA GPU."""
-  return cuda_built() and jax.default_backend() == "gpu"
+  """True when the extension holds the CUDA handlers and JAX's default backend is a CUDA GPU."""
+  return bool(_jax_kittens.build_info()["cuda"]) and jax.default_backend() == "gpu"
 
 
 def kittens_by_default() -> bool:
@@ -73,10 +68,6 @@ def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, 
   if isinstance(results, (tuple, list)):
     return type(results)(varying_like(r, *operands) for r in results)
   return varying_like(results, *operands)
-
-
-def has_target(name: str, platform: str) -> bool:
-  return (name, platform) in REGISTERED_TARGETS
 
 
 def build_info() -> dict:
