@@ -113,14 +113,11 @@ ffi::Error ToExpertsCpu(ffi::Buffer<ffi::S32> rank, ffi::AnyBuffer packed, ffi::
   ep::Layout layout{num_ranks, experts_per_rank, static_cast<int32_t>(rows_of(*recv))};
   const int64_t positions = rows_of(packed);
   const int64_t row_bytes = row_bytes_of(packed);
-  JK_FFI_CHECK(row_bytes_of(*recv) == row_bytes, "to_experts: packed and recv rows differ in size");
-  JK_FFI_CHECK(positions * row_bytes <= heap::data_area_bytes(self.heap->region_bytes),
-               "to_experts: the rows do not fit the heap's send area");
+  JK_FFI_RETURN_IF_ERROR(check_transport_shapes("to_experts", "send", positions, row_bytes, row_bytes_of(*recv),
+                                                self.heap->region_bytes, blocks_operand.element_count(), num_ranks,
+                                                experts_per_rank));
   JK_FFI_CHECK(chunk_rows > 0 && (positions + chunk_rows - 1) / chunk_rows <= heap::kMaxChunks,
                "to_experts: chunk_rows gives too many chunks");
-  JK_FFI_CHECK(static_cast<int64_t>(blocks_operand.element_count()) ==
-                   static_cast<int64_t>(num_ranks) * experts_per_rank * ep::kBlockFields,
-               "to_experts: blocks must be [num_ranks * experts_per_rank, 3]");
   const auto* blocks = reinterpret_cast<const ep::Block*>(blocks_operand.typed_data());
   JK_FFI_RETURN_IF_ERROR(check_blocks(blocks, layout, layout.capacity, positions));
 
@@ -177,12 +174,9 @@ ffi::Error FromExpertsCpu(ffi::Buffer<ffi::S32> rank, ffi::AnyBuffer expert_rows
                "from_experts: expert_offsets must have num_experts + 1 entries");
   const int64_t positions = rows_of(*returned);
   const int64_t row_bytes = row_bytes_of(expert_rows);
-  JK_FFI_CHECK(row_bytes_of(*returned) == row_bytes, "from_experts: expert and returned rows differ in size");
-  JK_FFI_CHECK(positions * row_bytes <= heap::data_area_bytes(self.heap->region_bytes),
-               "from_experts: the rows do not fit the heap's return area");
-  JK_FFI_CHECK(static_cast<int64_t>(blocks_operand.element_count()) ==
-                   static_cast<int64_t>(num_ranks) * experts_per_rank * ep::kBlockFields,
-               "from_experts: blocks must be [num_ranks * experts_per_rank, 3]");
+  JK_FFI_RETURN_IF_ERROR(check_transport_shapes("from_experts", "return", positions, row_bytes,
+                                                row_bytes_of(*returned), self.heap->region_bytes,
+                                                blocks_operand.element_count(), num_ranks, experts_per_rank));
   const auto* blocks = reinterpret_cast<const ep::Block*>(blocks_operand.typed_data());
   JK_FFI_RETURN_IF_ERROR(check_blocks(blocks, layout, layout.capacity, positions));
 

@@ -40,6 +40,20 @@ inline int64_t rows_of(ffi::AnyBuffer buffer) {
   return dims.size() == 0 ? 1 : dims[0];
 }
 
+// Shapes both transports check in both twins. `op` and `area` name the target and the heap area in the messages;
+// `positions` rows of `row_bytes` must fit that area, and `other_row_bytes` (the other buffer's rows) must match.
+inline ffi::Error check_transport_shapes(const std::string& op, const char* area, int64_t positions,
+                                         int64_t row_bytes, int64_t other_row_bytes, int64_t region_bytes,
+                                         size_t block_entries, int32_t num_ranks, int32_t experts_per_rank) {
+  JK_FFI_CHECK(other_row_bytes == row_bytes, op + ": the rows in and out differ in size");
+  JK_FFI_CHECK(positions * row_bytes <= heap::data_area_bytes(region_bytes),
+               op + ": the rows do not fit the heap's " + area + " area");
+  const int64_t expected_entries = static_cast<int64_t>(num_ranks) * experts_per_rank * ep::kBlockFields;
+  JK_FFI_CHECK(static_cast<int64_t>(block_entries) == expected_entries,
+               op + ": blocks must be [num_ranks * experts_per_rank, 3]");
+  return ffi::Error::Success();
+}
+
 // Every block must stay inside the receive buffer and the source's positions: the table comes from jk_ep_plan, but a
 // handler never trusts an operand with its memory.
 inline ffi::Error check_blocks(const ep::Block* blocks, const ep::Layout& layout, int64_t recv_rows,

@@ -74,18 +74,15 @@ ffi::Error ToExpertsCuda(cudaStream_t stream, int32_t device_ordinal, ffi::Buffe
                          ffi::Result<ffi::AnyBuffer> recv, int64_t heap_id, int32_t num_ranks,
                          int32_t experts_per_rank, int32_t chunk_rows) {
   const int64_t positions = rows_of(packed), row_bytes = row_bytes_of(packed), capacity = rows_of(*recv);
-  JK_FFI_CHECK(row_bytes_of(*recv) == row_bytes, "to_experts: packed and recv rows differ in size");
   JK_FFI_CHECK(row_bytes % 4 == 0, "to_experts: rows must be a multiple of 4 bytes");
   JK_FFI_CHECK(chunk_rows > 0 && (positions + chunk_rows - 1) / chunk_rows <= heap::kMaxChunks,
                "to_experts: chunk_rows gives too many chunks");
-  JK_FFI_CHECK(static_cast<int64_t>(blocks.element_count()) ==
-                   static_cast<int64_t>(num_ranks) * experts_per_rank * ep::kBlockFields,
-               "to_experts: blocks must be [num_ranks * experts_per_rank, 3]");
   ep::HeapView view;
   JK_FFI_RETURN_IF_ERROR(heap_view(heap_id, num_ranks, experts_per_rank, device_ordinal, rank.typed_data(),
                                    heap::kToExpertsChannel, &view));
-  JK_FFI_CHECK(positions * row_bytes <= heap::data_area_bytes(view.region_bytes),
-               "to_experts: the rows do not fit the heap's send area");
+  JK_FFI_RETURN_IF_ERROR(check_transport_shapes("to_experts", "send", positions, row_bytes, row_bytes_of(*recv),
+                                                view.region_bytes, blocks.element_count(), num_ranks,
+                                                experts_per_rank));
   // The block table lives on the device: the kernel skips any entry outside [0, capacity) and [0, positions).
   const int64_t pieces = (capacity + ep::kPieceRows - 1) / ep::kPieceRows + num_ranks * experts_per_rank;
   const int grid = transport_grid(device_ordinal, pieces > positions / chunk_rows + 1 ? pieces : positions / chunk_rows + 1);
@@ -106,16 +103,13 @@ ffi::Error FromExpertsCuda(cudaStream_t stream, int32_t device_ordinal, ffi::Buf
   JK_FFI_RETURN_IF_ERROR(check_layout(layout, send_kept.element_count()));
   JK_FFI_CHECK(expert_offsets.element_count() == send_kept.element_count() + 1,
                "from_experts: expert_offsets must have num_experts + 1 entries");
-  JK_FFI_CHECK(row_bytes_of(*returned) == row_bytes, "from_experts: expert and returned rows differ in size");
   JK_FFI_CHECK(row_bytes % 4 == 0, "from_experts: rows must be a multiple of 4 bytes");
-  JK_FFI_CHECK(static_cast<int64_t>(blocks.element_count()) ==
-                   static_cast<int64_t>(num_ranks) * experts_per_rank * ep::kBlockFields,
-               "from_experts: blocks must be [num_ranks * experts_per_rank, 3]");
   ep::HeapView view;
   JK_FFI_RETURN_IF_ERROR(heap_view(heap_id, num_ranks, experts_per_rank, device_ordinal, rank.typed_data(),
                                    heap::kFromExpertsChannel, &view));
-  JK_FFI_CHECK(positions * row_bytes <= heap::data_area_bytes(view.region_bytes),
-               "from_experts: the rows do not fit the heap's return area");
+  JK_FFI_RETURN_IF_ERROR(check_transport_shapes("from_experts", "return", positions, row_bytes,
+                                                row_bytes_of(*returned), view.region_bytes, blocks.element_count(),
+                                                num_ranks, experts_per_rank));
   const int64_t pieces = (layout.capacity + positions) / ep::kPieceRows + 2 * layout.num_experts();
   ep::from_experts_kernel<<<transport_grid(device_ordinal, pieces), ep::kTransportThreads, 0, stream>>>(
       view, static_cast<const char*>(expert_rows.untyped_data()), row_bytes,
