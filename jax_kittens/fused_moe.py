@@ -142,7 +142,9 @@ def _moe_fwd(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, recom
 def _moe_bwd(limit, recompute, residuals, d_y):
   del recompute  # the residuals say what was kept
   x, weights, w_gate, w_up, w_down, shared_experts, sched, preactivations, shared_preactivations = residuals
-  d_y = d_y.astype(x.dtype)
+  # Nothing of the backward may start before the cotangent arrives: otherwise XLA hoists the gathers and the
+  # recomputed gate/up next to the forward, and they stay alive through the other layers' work.
+  x, d_y = jax.lax.optimization_barrier((x, d_y.astype(x.dtype)))
   num_rows = _num_rows(sched.rows, w_gate.shape[0])
   x_rows, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
   dy_rows = permute.gather_rows(d_y, sched, num_rows)

@@ -193,7 +193,8 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
   if (s.rows == 0) return ffi::Error::Success();
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
-  auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float), 256);
+  // XLA's scratch allocator refuses alignments above its own 64 bytes: ask for the default.
+  auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float));
   JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
   sm90::TensorMaps maps;
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, sm90::kBlockM));
