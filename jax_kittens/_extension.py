@@ -34,14 +34,17 @@ def cuda_available() -> bool:
   return bool(_jax_kittens.build_info()["cuda"]) and jax.default_backend() == "gpu"
 
 
-def kittens_by_default() -> bool:
+def kittens_by_default(*, expert_parallel: bool = False) -> bool:
   """Whether backend="auto" of the MoE layer and of ragged_dot picks the kittens kernels.
 
-  Only where they run (CUDA build, GPU backend), and only once they have passed the GPU test suite: routing and the
-  grouped GEMM forward have; the fused layer, the GEMM backward and the expert-parallel transport have not yet
-  (README, "Status"). Until then "auto" means xla, and JAX_KITTENS_AUTO=kittens opts in.
+  Where they run (CUDA build, GPU backend). The single-device kernels pass the GPU test suite (README, "Status");
+  expert parallelism over several GPUs has not run yet, so under ``axis_name`` "auto" means xla unless
+  JAX_KITTENS_AUTO=kittens. JAX_KITTENS_AUTO=xla makes "auto" mean xla everywhere.
   """
-  return cuda_available() and os.environ.get("JAX_KITTENS_AUTO", "xla") == "kittens"
+  choice = os.environ.get("JAX_KITTENS_AUTO", "")
+  if choice == "xla" or not cuda_available():
+    return False
+  return choice == "kittens" or not expert_parallel
 
 
 def varying_axes(value) -> frozenset:

@@ -198,7 +198,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
   check_moe_args(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, backend=backend,
                  recompute=recompute, **options)
   # Expert parallelism has its own kittens path (jax_kittens.expert_parallel).
-  expert_parallel_kittens = backend == "kittens" or (backend == "auto" and _extension.kittens_by_default())
+  expert_parallel_kittens = backend == "kittens" or (backend == "auto" and
+                                                    _extension.kittens_by_default(expert_parallel=True))
   if axis_name is not None and expert_parallel_kittens:
     from jax_kittens import expert_parallel  # noqa: PLC0415 (loads the heap machinery only when used)
 

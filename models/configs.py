@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 SCORES = ("softmax", "sigmoid")
@@ -23,7 +24,8 @@ class ModelConfig:
   None), score ("softmax" | "sigmoid"), bias_update_rate (sigmoid: DeepSeek-V3 aux-loss-free step per update).
   load_balancing_weight, router_z_weight: coefficients of the aux losses in the training loss.
   seq_len, batch_size (global sequences per step), steps, warmup_steps, learning_rate, weight_decay, eval_every,
-  eval_batches. dtype: "float32" | "bfloat16", compute dtype (params stay float32).
+  eval_batches. dtype: "float32" | "bfloat16" | "auto", compute dtype (params stay float32); "auto" is bfloat16 on a
+  GPU, where the kittens kernels (bf16 only) run the MoE layers, and float32 elsewhere.
   """
 
   name: str
@@ -58,6 +60,8 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
+    if self.dtype == "auto":
+      return jnp.dtype(jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     return jnp.dtype(self.dtype)
 
   def is_moe_layer(self, layer: int) -> bool:
@@ -89,8 +93,8 @@ class ModelConfig:
       raise ValueError(f"config {self.name!r}: warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
     if not self.learning_rate > 0:
       raise ValueError(f"config {self.name!r}: learning_rate must be > 0, got {self.learning_rate}")
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"config {self.name!r}: dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.dtype not in ("float32", "bfloat16", "auto"):
+      raise ValueError(f"config {self.name!r}: dtype must be 'float32', 'bfloat16' or 'auto', got {self.dtype!r}")
     return self
 
 
@@ -103,7 +107,7 @@ def _geometry(name, hidden, intermediate, top_k, num_experts):
 
 
 CONFIGS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(name="tiny", batch_size=8, steps=200, warmup_steps=20, eval_every=50),
+    "tiny": ModelConfig(name="tiny", batch_size=8, steps=200, warmup_steps=20, eval_every=50, dtype="auto"),
     "small": ModelConfig(name="small", hidden=512, num_layers=4, num_heads=8, dense_intermediate=2048,
                          num_experts=16, top_k=2, expert_intermediate=512, shared_intermediate=512, seq_len=512,
                          batch_size=32, steps=2000, warmup_steps=100, learning_rate=1e-3, eval_every=250,

@@ -360,8 +360,11 @@ def test_gpu_swiglu_and_dgrad(limit):
   up_c = np.clip(up64, -limit, limit) if limit else up64
   sig = 1 / (1 + np.exp(-gate_c))
   d_act = f64(row_weights)[:, None] * g
-  d_up_ref = d_act * gate_c * sig * (np.abs(up64) < limit if limit else 1.0)
-  d_gate_ref = d_act * up_c * sig * (1 + gate_c * (1 - sig)) * (gate64 < limit if limit else 1.0)
+  # JAX's min/max pass half the gradient on a tie, and bf16 pre-activations land exactly on the limit often.
+  gate_factor = np.where(gate64 < limit, 1.0, np.where(gate64 == limit, 0.5, 0.0)) if limit else 1.0
+  up_factor = np.where(np.abs(up64) < limit, 1.0, np.where(np.abs(up64) == limit, 0.5, 0.0)) if limit else 1.0
+  d_up_ref = d_act * gate_c * sig * up_factor
+  d_gate_ref = d_act * up_c * sig * (1 + gate_c * (1 - sig)) * gate_factor
   assert rel_err(d_gate, d_gate_ref) < 1e-2 and rel_err(d_up, d_up_ref) < 1e-2
 
 
