@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_kittens import moe, reference
+from jax_kittens import _extension, moe, reference
 from moe_oracle import random_layer
 
 T, H, I, E, K = 9, 8, 6, 4, 2
@@ -118,6 +118,19 @@ def test_auto_is_xla_on_cpu():
   if jax.default_backend() == "gpu":
     pytest.skip("JAX runs on a GPU here")
   assert moe.resolve_backend("auto") == "xla"
+
+
+@pytest.mark.parametrize("choice,single_device,expert_parallel", [
+    (None, True, False), ("kittens", True, True), ("xla", False, False)])
+def test_auto_on_a_gpu_follows_jax_kittens_auto(monkeypatch, choice, single_device, expert_parallel):
+  """Where the kernels run: "auto" is kittens on one device; expert parallelism only with JAX_KITTENS_AUTO=kittens."""
+  monkeypatch.setattr(_extension, "cuda_available", lambda: True)
+  if choice is None:
+    monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
+  else:
+    monkeypatch.setenv("JAX_KITTENS_AUTO", choice)
+  assert _extension.kittens_by_default() == single_device
+  assert _extension.kittens_by_default(expert_parallel=True) == expert_parallel
 
 
 def test_kittens_backend_present_or_clear_error():
