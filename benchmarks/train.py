@@ -2,8 +2,9 @@
 
 For each config (``--configs``; default ``small`` and the large-geometry ``kimi-k2-geom`` and ``glm-5-geom``):
 tokens/s of `models.train.Trainer`'s jitted train step with ``moe_ffn(backend="kittens")`` and ``backend="xla"``
-(median step time after warm-up). Then a loss-curve check: both backends train ``small`` from the same initialisation on the same batches for
-``--curve-steps`` steps; the result records max |loss_kittens - loss_xla| (bf16 noise is expected).
+(median step time after warm-up). Then a loss-curve check: both backends train ``small`` from the same
+initialisation on the same batches for ``--curve-steps`` steps; the result records max |loss_kittens - loss_xla|
+(bf16 noise is expected).
 
   python3 benchmarks/train.py            # one GPU: benchmarks/results/train_h200.json + train_h200.png
   python3 benchmarks/train.py --smoke    # a micro config, any platform (/tmp/jax_kittens_benchmarks/train_smoke.json)
