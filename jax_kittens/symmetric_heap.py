@@ -7,7 +7,8 @@ flips flags and reuses the two staging areas of its region.
 
 Backends:
   "cpu": one host region per rank, shared by the CPU devices of this process (XLA:CPU runs the device programs of a
-    shard_map concurrently in threads, so CI runs the real protocol).
+    shard_map concurrently in threads, so CI runs the real protocol). The CPU handlers are asynchronous: a call waits
+    for its peers on a thread of its own, never on one of XLA's (csrc/ffi/expert_parallel.cc says why).
   "cuda": all local GPUs of one process; cudaMalloc per device and peer access between every pair (no multicast).
   "nvshmem": one GPU per process (jax.distributed); regions come from nvshmem_malloc, peers from nvshmem_ptr, and the
     NVSHMEM unique id travels through jax.distributed's key-value store. Loaded only when used

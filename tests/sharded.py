@@ -10,11 +10,12 @@ def ep_mesh(num_ranks, platform="cpu"):
   return Mesh(np.array(jax.devices(platform)[:num_ranks]), ("ep",))
 
 
-def sharded_forward_backward(mesh, layer_fn, layer, d_y):
+def sharded_forward_backward(mesh, layer_fn, layer, d_y, *, steps=1):
   """y, stats and gradients (x, weights, w_gate, w_up, w_down, shared) of ``layer_fn`` split over the "ep" axis.
 
   layer_fn(x, weights, ids, w_gate, w_up, w_down, shared) -> (y, MoEStats) runs per rank inside shard_map: tokens
-  and routed experts split over "ep", shared experts replicated.
+  and routed experts split over "ep", shared experts replicated. ``steps``: how often the one compiled program runs,
+  each run to completion; the last run's results are returned.
   """
   shared = layer.get("shared_experts")
 
@@ -32,5 +33,7 @@ def sharded_forward_backward(mesh, layer_fn, layer, d_y):
   run = jax.jit(jax.shard_map(local, mesh=mesh,
                               in_specs=(tokens, tokens, tokens, P("ep"), P("ep"), P("ep"), tokens, P()),
                               out_specs=(tokens, P("ep"), (tokens, tokens, P("ep"), P("ep"), P("ep"), P()))))
-  return run(layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"], d_y,
-             shared)
+  args = (layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"], d_y, shared)
+  for _ in range(steps - 1):
+    jax.block_until_ready(run(*args))
+  return run(*args)
