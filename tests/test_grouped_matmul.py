@@ -311,11 +311,14 @@ def poison_device_memory(num_bytes):
   poison.delete()
 
 
+# Output widths on the GPU: an odd number of 256-column blocks runs single CTAs, an even one clusters of two (the last
+# block here half full); bf16 outputs of full row tiles leave through TMA stores, the rest from registers.
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [768, 1408])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gpu_gmm_outputs_fully_written(transpose_rhs):
+def test_gpu_gmm_outputs_fully_written(transpose_rhs, n):
   rng = np.random.default_rng(11)
-  rows, k, n = 8192 + 77, 1024, 768
+  rows, k = 8192 + 77, 1024
   sizes = [1000, 0, 3000, 129, 0, 2000]
   offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
   lhs = bf16(rng, rows, k)
@@ -330,10 +333,11 @@ def test_gpu_gmm_outputs_fully_written(transpose_rhs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("inner", [1024, 1216])  # 1216: swiglu pairs 10 blocks (the last half full), dgrad has 5
 @pytest.mark.parametrize("limit", [None, 7.0])
-def test_gpu_swiglu_and_dgrad(limit):
+def test_gpu_swiglu_and_dgrad(limit, inner):
   rng = np.random.default_rng(12)
-  groups, hidden, inner = 16, 2048, 1024
+  groups, hidden = 16, 2048
   sizes = rng.integers(0, 900, groups).astype(np.int32)
   sizes[0] = 0
   rows = int(((sizes + 127) // 128 * 128).sum()) + 128
@@ -341,8 +345,10 @@ def test_gpu_swiglu_and_dgrad(limit):
   x = bf16(rng, rows, hidden)
   w_gate, w_up = bf16(rng, groups, hidden, inner, scale=4 * hidden ** -0.5), bf16(rng, groups, hidden, inner,
                                                                                    scale=4 * hidden ** -0.5)
-  act, gate, up = jax.jit(functools.partial(gm.gmm_swiglu, swiglu_limit=limit, save_preactivations=True))(
-      x, w_gate, w_up, offsets, group_sizes)
+  swiglu_fn = jax.jit(functools.partial(gm.gmm_swiglu, swiglu_limit=limit, save_preactivations=True))
+  swiglu_fn(x, w_gate, w_up, offsets, group_sizes)[0].block_until_ready()  # compile first
+  poison_device_memory(3 * rows * inner * 2)
+  act, gate, up = swiglu_fn(x, w_gate, w_up, offsets, group_sizes)
   gate_ref = gmm_gpu_reference(x, w_gate, offsets, sizes)
   up_ref = gmm_gpu_reference(x, w_up, offsets, sizes)
   assert rel_err(gate, gate_ref) < 1e-2 and rel_err(up, up_ref) < 1e-2
@@ -350,8 +356,10 @@ def test_gpu_swiglu_and_dgrad(limit):
   dy = bf16(rng, rows, hidden)
   w_down = bf16(rng, groups, inner, hidden, scale=inner ** -0.5)
   row_weights = jnp.asarray(rng.uniform(0.1, 1, rows), jnp.float32)
-  d_gate, d_up, d_w = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=limit))(
-      dy, w_down, gate, up, row_weights, offsets, group_sizes)
+  dgrad_fn = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=limit))
+  dgrad_fn(dy, w_down, gate, up, row_weights, offsets, group_sizes)[0].block_until_ready()  # compile first
+  poison_device_memory(2 * rows * inner * 2)
+  d_gate, d_up, d_w = dgrad_fn(dy, w_down, gate, up, row_weights, offsets, group_sizes)
   g = gmm_gpu_reference(dy, jnp.swapaxes(w_down, 1, 2), offsets, sizes)
   gate64, up64 = f64(gate), f64(up)
   act64 = swiglu64(gate64, up64, limit)
@@ -381,17 +389,22 @@ def gmm_gpu_reference(lhs, rhs, offsets, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k,n,out_dtype", [(2048, 1024, jnp.float32), (1088, 1408, jnp.bfloat16),
+                                           (960, 576, jnp.bfloat16)])
 @pytest.mark.parametrize("with_scale", [False, True])
-def test_gpu_tgmm(with_scale):
+def test_gpu_tgmm(with_scale, k, n, out_dtype):
   rng = np.random.default_rng(13)
-  groups, k, n = 12, 2048, 1024
+  groups = 12
   sizes = rng.integers(0, 2000, groups).astype(np.int32)
   sizes[1] = 0
   rows = int(sizes.sum()) + 50
   offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))  # unaligned groups
   lhs, rhs = bf16(rng, rows, k), bf16(rng, rows, n)
   row_scale = jnp.asarray(rng.uniform(0.5, 2, rows), jnp.float32) if with_scale else None
-  out = jax.jit(functools.partial(gm.tgmm, row_scale=row_scale))(lhs, rhs, offsets, jnp.asarray(sizes))
+  fn = jax.jit(functools.partial(gm.tgmm, row_scale=row_scale, out_dtype=out_dtype))
+  fn(lhs, rhs, offsets, jnp.asarray(sizes)).block_until_ready()  # compile first: compilation allocates too
+  poison_device_memory(groups * k * n * jnp.dtype(out_dtype).itemsize)
+  out = fn(lhs, rhs, offsets, jnp.asarray(sizes))
   offsets = np.asarray(offsets)
   for g in range(groups):
     a = lhs[offsets[g]:offsets[g] + sizes[g]]

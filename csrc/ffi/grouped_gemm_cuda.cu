@@ -3,6 +3,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -70,35 +72,69 @@ ffi::Error weights_map(CUtensorMap* map, const void* base, int64_t groups, int64
                      {0, uint64_t(cols) * 2, uint64_t(rows) * uint64_t(cols) * 2}, {64, box_rows, 1});
 }
 
-struct Device {
-  int sms;
-};
+// The lhs arrives in 64-row halves of the 128-row tile (one per CTA of a cluster).
+constexpr uint32_t kLhsBoxRows = 64;
 
-ffi::Error current_device(Device* device) {
+// A bf16 [rows, cols] output written in the kernels' 64 x 64 chunks.
+ffi::Error output_map(CUtensorMap* map, void* base, int64_t rows, int64_t cols) {
+  return matrix_map(map, base, rows, cols, 64);
+}
+
+// Launch configuration of the kernels: 384 threads, the full shared-memory ring, clusters of cluster_size CTAs.
+cudaLaunchConfig_t launch_config(unsigned grid, int cluster_size, cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(sm90::kThreads, 1, 1);
+  config.dynamicSmemBytes = sm90::kSmemBytes;
+  config.stream = stream;
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = cluster_size;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// One persistent CTA per SM (cluster per co-resident group of SMs), at most one per tile. Clusters of two when the
+// n-block count is even: the scheduler then pairs the two n blocks of each (group, m block).
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
+                               int64_t max_tiles) {
+  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster>;
+  // The 4-stage ring needs more than the default 48 KB of dynamic shared memory (a per-device setting).
+  JK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::kSmemBytes));
+  // Co-resident clusters (the GPCs' SM counts can leave SMs over), per device: the query costs more than a launch.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached_clusters[kMaxDevices] = {};
   int ordinal;
   JK_CUDA_CHECK(cudaGetDevice(&ordinal));
-  JK_CUDA_CHECK(cudaDeviceGetAttribute(&device->sms, cudaDevAttrMultiProcessorCount, ordinal));
+  JK_FFI_CHECK(ordinal < kMaxDevices, "grouped GEMM: device ordinal above 63");
+  int clusters = cached_clusters[ordinal].load(std::memory_order_relaxed);
+  cudaLaunchAttribute attribute;
+  if (clusters == 0) {
+    cudaLaunchConfig_t query = launch_config(kCluster, kCluster, stream, &attribute);
+    JK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &query));
+    JK_FFI_CHECK(clusters > 0, "grouped GEMM: no cluster of the kernel fits on this device");
+    cached_clusters[ordinal].store(clusters, std::memory_order_relaxed);
+  }
+  int64_t grid = std::min<int64_t>(max_tiles, int64_t{clusters} * kCluster) / kCluster * kCluster;
+  cudaLaunchConfig_t config = launch_config(static_cast<unsigned>(grid), kCluster, stream, &attribute);
+  JK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps, params));
   return ffi::Error::Success();
 }
 
 template <sm90::Mode kMode, bool kBMnMajor, typename OutT>
-ffi::Error launch(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
-                  int64_t max_tiles) {
+ffi::Error launch(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params, int64_t max_tiles,
+                  int64_t n_blocks) {
   if (max_tiles <= 0) return ffi::Error::Success();
-  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT>;
-  // The 4-stage ring needs more than the default 48 KB of dynamic shared memory (a per-device setting).
-  JK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::kSmemBytes));
-  Device device;
-  JK_FFI_RETURN_IF_ERROR(current_device(&device));
-  int64_t grid = max_tiles < device.sms ? max_tiles : device.sms;
-  kernel<<<static_cast<unsigned>(grid), sm90::kThreads, sm90::kSmemBytes, stream>>>(maps, params);
-  JK_CUDA_CHECK(cudaGetLastError());
-  return ffi::Error::Success();
+  return n_blocks % 2 == 0 ? launch_with_cluster<kMode, kBMnMajor, OutT, 2>(stream, maps, params, max_tiles)
+                           : launch_with_cluster<kMode, kBMnMajor, OutT, 1>(stream, maps, params, max_tiles);
 }
 
 // Upper bound on gmm-type tiles (the device computes the exact count): every pseudo-group may add a partial tile.
-int64_t row_tile_bound(int64_t rows, int64_t groups, int64_t n, int64_t block_n) {
-  return (gg::ceil_div(rows, sm90::kBlockM) + groups + 2) * gg::ceil_div(n, block_n);
+int64_t row_tile_bound(int64_t rows, int64_t groups, int64_t n_blocks) {
+  return (gg::ceil_div(rows, sm90::kBlockM) + groups + 2) * n_blocks;
 }
 
 ffi::Error base_params(const int32_t* offsets, const int32_t* sizes, int64_t groups, int64_t rows, int64_t n,
@@ -129,7 +165,7 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps;
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1 + s.k2, sm90::kBlockM));
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1 + s.k2, kLhsBoxRows));
   // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major 256-row box.
   auto map_rhs = [&](CUtensorMap* map, const void* base, int64_t k) {
     return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256) : weights_map(map, base, s.groups, k, s.n, 64);
@@ -145,14 +181,16 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<
   p.k_steps1 = static_cast<int32_t>(s.k1 / sm90::kBlockK);
   p.k_steps2 = static_cast<int32_t>(s.k2 / sm90::kBlockK);
   p.out = out->untyped_data();
-  int64_t tiles = row_tile_bound(s.rows, s.groups, s.n, gg::kTileCols);
+  int64_t n_blocks = gg::ceil_div(s.n, gg::kTileCols);
+  int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
   if (type == ffi::F32) {
-    return transpose_rhs ? launch<M::kGmm, false, float>(stream, maps, p, tiles)
-                         : launch<M::kGmm, true, float>(stream, maps, p, tiles);
+    return transpose_rhs ? launch<M::kGmm, false, float>(stream, maps, p, tiles, n_blocks)
+                         : launch<M::kGmm, true, float>(stream, maps, p, tiles, n_blocks);
   }
-  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, maps, p, tiles)
-                       : launch<M::kGmm, true, uint16_t>(stream, maps, p, tiles);
+  JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.n));
+  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, maps, p, tiles, n_blocks)
+                       : launch<M::kGmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);
 }
 
 ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
@@ -166,7 +204,7 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps;
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, sm90::kBlockM));
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
   sm90::Params p;
@@ -176,7 +214,14 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   p.out2 = s.save_preactivations ? gate_out->typed_data() : nullptr;
   p.out3 = s.save_preactivations ? up_out->typed_data() : nullptr;
   p.clamp = {swiglu_limit};
-  return launch<sm90::Mode::kSwiglu, true, uint16_t>(stream, maps, p, row_tile_bound(s.rows, s.groups, s.inner, gg::kSwigluTileCols));
+  JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
+  if (s.save_preactivations) {
+    JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
+    JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[2], p.out3, s.rows, s.inner));
+  }
+  int64_t n_blocks = gg::ceil_div(s.inner, gg::kSwigluTileCols);
+  return launch<sm90::Mode::kSwiglu, true, uint16_t>(stream, maps, p, row_tile_bound(s.rows, s.groups, n_blocks),
+                                                      n_blocks);
 }
 
 ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,
@@ -197,7 +242,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float));
   JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
   sm90::TensorMaps maps;
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, sm90::kBlockM));
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
   maps.b2 = maps.b;  // never read
@@ -211,8 +256,10 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.row_weights = row_weights.typed_data();
   p.row_weight_partials = static_cast<float*>(*allocation);
   p.clamp = {swiglu_limit};
+  JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
+  JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR((launch<sm90::Mode::kSwigluDgrad, false, uint16_t>(
-      stream, maps, p, row_tile_bound(s.rows, s.groups, s.inner, gg::kTileCols))));
+      stream, maps, p, row_tile_bound(s.rows, s.groups, n_blocks), n_blocks)));
   constexpr int kThreads = 256;
   sm90::sum_row_weight_partials<<<static_cast<unsigned>(gg::ceil_div(s.rows, kThreads)), kThreads, 0, stream>>>(
       p.row_weight_partials, static_cast<int32_t>(n_blocks), s.rows, d_row_weights->typed_data());
@@ -230,7 +277,8 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
   if (s.groups == 0 || s.k == 0 || s.n == 0) return ffi::Error::Success();
-  int64_t tiles = s.groups * gg::ceil_div(s.k, sm90::kBlockM) * gg::ceil_div(s.n, gg::kTileCols);
+  int64_t n_blocks = gg::ceil_div(s.n, gg::kTileCols);
+  int64_t tiles = s.groups * gg::ceil_div(s.k, sm90::kBlockM) * n_blocks;
   size_t out_bytes = static_cast<size_t>(s.groups * s.k * s.n) * (type == ffi::F32 ? 4 : 2);
   if (s.rows == 0) {  // no rows, so no tensor maps: every group is empty
     JK_CUDA_CHECK(cudaMemsetAsync(out->untyped_data(), 0, out_bytes, stream));
@@ -246,8 +294,9 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
   p.row_scale = s.has_row_scale ? row_scale.typed_data() : nullptr;
-  return type == ffi::F32 ? launch<sm90::Mode::kTgmm, true, float>(stream, maps, p, tiles)
-                          : launch<sm90::Mode::kTgmm, true, uint16_t>(stream, maps, p, tiles);
+  if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, maps, p, tiles, n_blocks);
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, 64));
+  return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);
 }
 
 }  // namespace

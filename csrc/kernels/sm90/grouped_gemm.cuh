@@ -10,11 +10,18 @@
 //  - The tile scheduler runs on the device: every CTA walks the linear tile index blockIdx.x, +gridDim.x, ... and
 //    maps it to (group, m block, n block) from group_offsets, so nothing is synced to the host. Producer and
 //    consumers walk the same sequence; the decomposition is kernels/grouped_gemm.h's, which the CPU twins walk too.
+//  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
+//    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
+//    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
+//    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
 //  - Every mbarrier wait has a 20 s deadline (then __trap), so a broken pipeline fails the launch instead of hanging.
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
-//  - Epilogues work on the accumulator fragments in registers and store straight to global memory.
+//  - Epilogues work on the accumulator fragments in registers. bf16 outputs go out in 64 x 64 chunks through two
+//    swizzled staging buffers per consumer warpgroup and TMA stores, so the warpgroup starts its next tile while the
+//    copies drain; float32 outputs, and the rows of a tile that ends inside the buffer short of 64 rows per
+//    warpgroup (the box would overwrite the next group's rows), are stored from registers.
 #pragma once
 
 #include <cuda.h>
@@ -22,6 +29,7 @@
 
 #include <cstdint>
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
@@ -41,7 +49,9 @@ constexpr int kSubTileBytes = 64 * kLineBytes;  // 64 lines: one MN-major 64-wid
 constexpr int kABytes = kBlockM * kLineBytes;   // 16 KB
 constexpr int kBBytes = 256 * kLineBytes;       // 32 KB: 256 output columns (or gate 128 + up 128)
 constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment slack */ + 2 * kStages * 8;
+constexpr int kStagingBytes = 2 * 2 * kSubTileBytes;  // two 64 x 64 bf16 store buffers per consumer warpgroup
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8;
+static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
 enum class Mode : int {
@@ -72,6 +82,9 @@ struct TensorMaps {
   CUtensorMap a;   // lhs
   CUtensorMap b;   // rhs (gmm, tgmm, dgrad) or w_gate (swiglu)
   CUtensorMap b2;  // rhs2 (gmm) or w_up (swiglu)
+  // bf16 outputs, 64 x 64 boxes: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up [R, I];
+  // tgmm out [G, K, N]. Unused (never read) for float32 outputs.
+  CUtensorMap out[3];
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -201,36 +214,54 @@ __device__ __forceinline__ void fence_accumulators(float* acc, float* acc_up) {
 // ---------------------------------------------------------------------------------------------------------------
 // Producer: TMA loads of one k step into a stage.
 
-template <Mode kMode, bool kBMnMajor>
+// One 64-line half of the lhs stage. In a cluster the half goes to the same shared-memory offset of both CTAs and
+// completes bytes on both CTAs' full barriers of the stage.
+template <int kCluster>
+__device__ __forceinline__ void load_lhs_half(const CUtensorMap* map, uint64_t* full, uint8_t* smem, int32_t x,
+                                              int32_t y) {
+  if constexpr (kCluster > 1) {
+    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map, full, (1 << kCluster) - 1, kCacheHintNormal, smem, x, y);
+  } else {
+    cute::SM90_TMA_LOAD_2D::copy(map, full, kCacheHintNormal, smem, x, y);
+  }
+}
+
+// The stage expects all 48 KB; in a cluster this CTA loads lhs half `rank` and its peer the other.
+template <Mode kMode, bool kBMnMajor, int kCluster>
 __device__ __forceinline__ void load_stage(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
-                                           uint8_t* a_smem, uint8_t* b_smem, uint64_t* full) {
+                                           uint32_t rank, uint8_t* a_smem, uint8_t* b_smem, uint64_t* full) {
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kStageBytes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (kCluster > 1 && half != static_cast<int>(rank)) continue;
+    // tgmm's lhs is MN-major: a half is 64 output rows (m) of the 64 contraction rows; otherwise 64 tile rows.
+    if constexpr (kMode == Mode::kTgmm) {
+      load_lhs_half<kCluster>(&maps.a, full, a_smem + half * kSubTileBytes, tile.m0 + 64 * half,
+                              tile.row0 + ks * kBlockK);
+    } else {
+      load_lhs_half<kCluster>(&maps.a, full, a_smem + half * kSubTileBytes, ks * kBlockK, tile.row0 + 64 * half);
+    }
+  }
   if constexpr (kMode == Mode::kTgmm) {
     int32_t row = tile.row0 + ks * kBlockK;
-    for (int i = 0; i < 2; ++i)
-      cute::SM90_TMA_LOAD_2D::copy(&maps.a, full, kCacheHintNormal, a_smem + i * kSubTileBytes, tile.m0 + 64 * i, row);
     for (int j = 0; j < 4; ++j)
       cute::SM90_TMA_LOAD_2D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, row);
+  } else if constexpr (kMode == Mode::kSwiglu) {
+    for (int j = 0; j < 2; ++j) {
+      cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
+                                   ks * kBlockK, tile.group);
+      cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + (2 + j) * kSubTileBytes,
+                                   tile.n0 + 64 * j, ks * kBlockK, tile.group);
+    }
   } else {
-    int32_t row = tile.row0;
-    cute::SM90_TMA_LOAD_2D::copy(&maps.a, full, kCacheHintNormal, a_smem, ks * kBlockK, row);
-    if constexpr (kMode == Mode::kSwiglu) {
-      for (int j = 0; j < 2; ++j) {
-        cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
-                                     ks * kBlockK, tile.group);
-        cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + (2 + j) * kSubTileBytes,
-                                     tile.n0 + 64 * j, ks * kBlockK, tile.group);
-      }
+    const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
+    int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
+    if constexpr (kBMnMajor) {
+      for (int j = 0; j < 4; ++j)
+        cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, k,
+                                     tile.group);
     } else {
-      const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
-      int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
-      if constexpr (kBMnMajor) {
-        for (int j = 0; j < 4; ++j)
-          cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, k,
-                                       tile.group);
-      } else {
-        cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
-      }
+      cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
     }
   }
 }
@@ -286,157 +317,277 @@ __device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, in
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Epilogues. Fragment of thread (warp w in its warpgroup, lane l): rows w*16 + l/4 + 8h, columns 8j + 2(l%4) + {0,1}
-// in acc[4j + 2h + {0,1}].
+// Epilogues. Fragment of thread (warp w in its warpgroup, lane l): rows w*16 + l/4 + 8h of the warpgroup's 64,
+// columns 8j + 2(l%4) + {0,1} in acc[4j + 2h + {0,1}]. Outputs go out in 64-column chunks.
 
-template <typename OutT>
-__device__ __forceinline__ void store_pair(OutT* out, int64_t index, float lo, float hi) {
-  if constexpr (sizeof(OutT) == 4) {
-    *reinterpret_cast<float2*>(out + index) = make_float2(lo, hi);
-  } else {
-    *reinterpret_cast<uint32_t*>(out + index) = pack_bf16x2(lo, hi);
+// One 64-column chunk of a bf16 output in fragment order: v[2 jj + h] packs columns 8 jj + 2(l%4) + {0,1} of the
+// chunk in row h.
+struct ChunkPairs {
+  uint32_t v[16];
+};
+
+// bf16 chunks through shared memory: each goes into one of the warpgroup's two 128-byte-swizzled staging buffers
+// and out through one TMA store (which clips rows and columns past the tensor's end).
+struct StagedStore {
+  uint8_t* buffers;     // 2 x kSubTileBytes, 1024-byte aligned
+  uint32_t barrier_id;  // named barrier of the warpgroup's 128 threads
+  bool leader;          // the thread that issues and waits for the TMA stores
+  uint32_t issued = 0;  // chunks stored so far: the same count on every thread of the warpgroup
+
+  // coords: (column, row) of a 2D map or (column, row, group) of a 3D one.
+  template <int kRank>
+  __device__ __forceinline__ void store(const CUtensorMap* map, const ChunkPairs& pairs, int warp, int lane,
+                                        int32_t x, int32_t y, int32_t z) {
+    uint8_t* buffer = buffers + (issued & 1) * kSubTileBytes;
+    if (issued >= 2) {  // the store issued two chunks ago read this buffer: it must be done reading
+      if (leader) cute::tma_store_wait<1>();
+      cutlass::arch::NamedBarrier::sync(128, barrier_id);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int line = warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        // 128-byte swizzle: 16-byte chunk jj of line r sits at chunk jj ^ (r % 8). One row per quad, eight rows
+        // per store instruction, so the 32 lanes hit 32 different banks.
+        *reinterpret_cast<uint32_t*>(buffer + line * kLineBytes + ((jj ^ (line & 7)) << 4) + ((lane & 3) << 2)) =
+            pairs.v[2 * jj + h];
+      }
+    }
+    cute::tma_store_fence();  // the generic-proxy writes must be visible to the TMA (async proxy)
+    cutlass::arch::NamedBarrier::sync(128, barrier_id);
+    if (leader) {
+      if constexpr (kRank == 2) {
+        cute::SM90_TMA_STORE_2D::copy(map, buffer, x, y);
+      } else {
+        cute::SM90_TMA_STORE_3D::copy(map, buffer, x, y, z);
+      }
+      cute::tma_store_arrive();
+    }
+    ++issued;
   }
+
+  // Shared memory must outlive the stores' reads of it.
+  __device__ __forceinline__ void drain() const {
+    if (leader) cute::tma_store_wait<0>();
+  }
+};
+
+// Where the warpgroup's rows of a tile are and which hold data.
+struct EpilogueRows {
+  int32_t first;   // row (row-grouped: of the [R, *] buffer; tgmm: of the group's K) of the warpgroup's row 0
+  bool data[2];    // fragment row h holds data (otherwise it is written as 0)
+  bool written[2]; // fragment row h is inside the tile (and the tensor)
+  bool staged;     // the warpgroup's rows go out through TMA stores
+};
+
+template <Mode kMode, typename OutT>
+__device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Tile& tile, bool has_data, int consumer,
+                                                      int warp, int lane) {
+  EpilogueRows rows;
+  const int32_t wg_row0 = consumer * 64;
+  if constexpr (kMode == Mode::kTgmm) {
+    rows.first = tile.m0 + wg_row0;
+    for (int h = 0; h < 2; ++h) {
+      rows.data[h] = has_data;
+      rows.written[h] = rows.first + warp * 16 + (lane >> 2) + 8 * h < p.m_extent;
+    }
+    rows.staged = sizeof(OutT) == 2 && rows.first < p.m_extent;  // the 3D map clips at K
+  } else {
+    rows.first = tile.row0 + wg_row0;
+    for (int h = 0; h < 2; ++h) {
+      const int32_t r = wg_row0 + warp * 16 + (lane >> 2) + 8 * h;
+      rows.data[h] = has_data && r < tile.valid;
+      rows.written[h] = r < tile.written;
+    }
+    // A box of 64 rows may only run past the tile where the buffer ends (the map clips there).
+    const int32_t wg_rows = tile.written - wg_row0;
+    rows.staged = sizeof(OutT) == 2 && (wg_rows >= 64 || (wg_rows > 0 && tile.row0 + tile.written == p.layout.rows));
+  }
+  return rows;
+}
+
+// Chunk c of the warpgroup's fragment as bf16 pairs, zeros in rows without data.
+__device__ __forceinline__ ChunkPairs pack_chunk(const float* acc, int c, const EpilogueRows& rows) {
+  ChunkPairs pairs;
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 4 * (8 * c + jj) + 2 * h;
+      pairs.v[2 * jj + h] = rows.data[h] ? pack_bf16x2(acc[i], acc[i + 1]) : 0u;
+    }
+  }
+  return pairs;
 }
 
 template <Mode kMode, int kBlockN, typename OutT>
-__device__ __forceinline__ void epilogue(const Params& p, const Tile& tile, bool has_data, const float* acc,
-                                         const float* acc_up, int warpgroup_row0, int lane) {
-  const int col_in_block = 2 * (lane & 3);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r_local = warpgroup_row0 + (lane >> 2) + 8 * h;
-    if constexpr (kMode == Mode::kTgmm) {
-      int32_t m = tile.m0 + r_local;
-      if (m >= p.m_extent) continue;
-      OutT* out = static_cast<OutT*>(p.out) + (static_cast<int64_t>(tile.group) * p.m_extent + m) * p.n;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        int32_t col = tile.n0 + 8 * j + col_in_block;
-        if (tile.n0 + 8 * j >= p.n) break;
-        float lo = has_data ? acc[4 * j + 2 * h] : 0.0f;
-        float hi = has_data ? acc[4 * j + 2 * h + 1] : 0.0f;
-        store_pair(out, col, lo, hi);
+__device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p, const Tile& tile, bool has_data,
+                                         const float* acc, const float* acc_up, int consumer, int warp, int lane,
+                                         StagedStore& staged) {
+  const EpilogueRows rows = epilogue_rows<kMode, OutT>(p, tile, has_data, consumer, warp, lane);
+  const int col_in_chunk = 2 * (lane & 3);
+  // Row-major [*, n] output o, offset to the tile's group (tgmm) and to the warpgroup's first row.
+  auto out_rows = [&](int o) {
+    void* base = o == 0 ? p.out : (o == 1 ? static_cast<void*>(p.out2) : static_cast<void*>(p.out3));
+    int64_t row = rows.first;
+    if constexpr (kMode == Mode::kTgmm) row += static_cast<int64_t>(tile.group) * p.m_extent;
+    return static_cast<OutT*>(base) + row * p.n;
+  };
+  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
+    const int32_t col0 = tile.n0 + 64 * c;
+    if (rows.staged) {
+      if constexpr (kMode == Mode::kTgmm) {
+        staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
+      } else {
+        staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
       }
-    } else {
-      // dgrad keeps rows past the tile in the loop: its quad shuffles below need all 32 lanes of the warp.
-      const bool in_tile = r_local < tile.written;
-      if (kMode != Mode::kSwigluDgrad && !in_tile) continue;
-      const bool data = has_data && r_local < tile.valid;
-      const int64_t row = static_cast<int64_t>(tile.row0) + r_local;
-      if constexpr (kMode == Mode::kGmm) {
-        OutT* out = static_cast<OutT*>(p.out) + row * p.n;
+      return;
+    }
+    uint16_t* out = reinterpret_cast<uint16_t*>(out_rows(o));
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          if (tile.n0 + 8 * j >= p.n) break;
-          store_pair(out, tile.n0 + 8 * j + col_in_block, data ? acc[4 * j + 2 * h] : 0.0f,
-                     data ? acc[4 * j + 2 * h + 1] : 0.0f);
+    for (int h = 0; h < 2; ++h) {
+      if (!rows.written[h]) continue;
+      const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        *reinterpret_cast<uint32_t*>(out + line * p.n + col0 + 8 * jj + col_in_chunk) = pairs.v[2 * jj + h];
+    }
+  };
+
+  float row_partial[2] = {0.0f, 0.0f};  // dgrad
+#pragma unroll
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (tile.n0 + 64 * c >= p.n) break;
+    if constexpr (sizeof(OutT) == 4) {  // gmm or tgmm to float32: from registers
+      OutT* out = out_rows(0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!rows.written[h]) continue;
+        const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int i = 4 * (8 * c + jj) + 2 * h;
+          *reinterpret_cast<float2*>(out + line * p.n + tile.n0 + 64 * c + 8 * jj + col_in_chunk) =
+              rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
         }
-      } else if constexpr (kMode == Mode::kSwiglu) {
-        uint16_t* act = static_cast<uint16_t*>(p.out) + row * p.n;
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          if (tile.n0 + 8 * j >= p.n) break;
-          int32_t col = tile.n0 + 8 * j + col_in_block;
-          float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-          float u0 = acc_up[4 * j + 2 * h], u1 = acc_up[4 * j + 2 * h + 1];
-          uint32_t act_bits = data ? pack_bf16x2(swiglu(g0, u0, p.clamp), swiglu(g1, u1, p.clamp)) : 0u;
-          *reinterpret_cast<uint32_t*>(act + col) = act_bits;
-          if (p.out2 != nullptr) {
-            *reinterpret_cast<uint32_t*>(p.out2 + row * p.n + col) = data ? pack_bf16x2(g0, g1) : 0u;
-            *reinterpret_cast<uint32_t*>(p.out3 + row * p.n + col) = data ? pack_bf16x2(u0, u1) : 0u;
-          }
-        }
-      } else {  // kSwigluDgrad
-        uint16_t* d_gate = static_cast<uint16_t*>(p.out) + row * p.n;
-        uint16_t* d_up = p.out2 + row * p.n;
-        const float weight = data ? p.row_weights[row] : 0.0f;
-        float row_partial = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          if (tile.n0 + 8 * j >= p.n) break;
-          int32_t col = tile.n0 + 8 * j + col_in_block;
-          uint32_t dg_bits = 0, du_bits = 0;
-          if (data) {
-            uint32_t gate2 = *reinterpret_cast<const uint32_t*>(p.gate_in + row * p.n + col);
-            uint32_t up2 = *reinterpret_cast<const uint32_t*>(p.up_in + row * p.n + col);
-            float dg[2], du[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              float gate = bf16_bits_to_float(static_cast<uint16_t>(c ? gate2 >> 16 : gate2 & 0xFFFF));
-              float up = bf16_bits_to_float(static_cast<uint16_t>(c ? up2 >> 16 : up2 & 0xFFFF));
-              float g = acc[4 * j + 2 * h + c];
-              row_partial += g * round_to_bf16(swiglu(gate, up, p.clamp));
-              swiglu_backward(gate, up, weight * g, p.clamp, &dg[c], &du[c]);
-            }
-            dg_bits = pack_bf16x2(dg[0], dg[1]);
-            du_bits = pack_bf16x2(du[0], du[1]);
-          }
-          if (in_tile) {
-            *reinterpret_cast<uint32_t*>(d_gate + col) = dg_bits;
-            *reinterpret_cast<uint32_t*>(d_up + col) = du_bits;
-          }
-        }
-        // The four lanes of a quad hold one row: a fixed butterfly order keeps the sum deterministic.
-        row_partial += __shfl_xor_sync(0xFFFFFFFF, row_partial, 1);
-        row_partial += __shfl_xor_sync(0xFFFFFFFF, row_partial, 2);
-        if (in_tile && (lane & 3) == 0) p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = row_partial;
       }
+    } else if constexpr (kMode == Mode::kGmm || kMode == Mode::kTgmm) {
+      emit(0, c, pack_chunk(acc, c, rows));
+    } else if constexpr (kMode == Mode::kSwiglu) {
+      ChunkPairs act;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int i = 4 * (8 * c + jj) + 2 * h;
+          act.v[2 * jj + h] = rows.data[h] ? pack_bf16x2(swiglu(acc[i], acc_up[i], p.clamp),
+                                                         swiglu(acc[i + 1], acc_up[i + 1], p.clamp))
+                                           : 0u;
+        }
+      }
+      emit(0, c, act);
+      if (p.out2 != nullptr) {
+        emit(1, c, pack_chunk(acc, c, rows));
+        emit(2, c, pack_chunk(acc_up, c, rows));
+      }
+    } else {  // kSwigluDgrad
+      ChunkPairs d_gate, d_up;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+        const float weight = rows.data[h] ? p.row_weights[row] : 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          d_gate.v[2 * jj + h] = 0u;
+          d_up.v[2 * jj + h] = 0u;
+          if (!rows.data[h]) continue;
+          const int64_t at = row * p.n + tile.n0 + 64 * c + 8 * jj + col_in_chunk;
+          const uint32_t gate2 = *reinterpret_cast<const uint32_t*>(p.gate_in + at);
+          const uint32_t up2 = *reinterpret_cast<const uint32_t*>(p.up_in + at);
+          float dg[2], du[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float gate = bf16_bits_to_float(static_cast<uint16_t>(e ? gate2 >> 16 : gate2 & 0xFFFF));
+            const float up = bf16_bits_to_float(static_cast<uint16_t>(e ? up2 >> 16 : up2 & 0xFFFF));
+            const float g = acc[4 * (8 * c + jj) + 2 * h + e];
+            row_partial[h] += g * round_to_bf16(swiglu(gate, up, p.clamp));
+            swiglu_backward(gate, up, weight * g, p.clamp, &dg[e], &du[e]);
+          }
+          d_gate.v[2 * jj + h] = pack_bf16x2(dg[0], dg[1]);
+          d_up.v[2 * jj + h] = pack_bf16x2(du[0], du[1]);
+        }
+      }
+      emit(0, c, d_gate);
+      emit(1, c, d_up);
+    }
+  }
+  if constexpr (kMode == Mode::kSwigluDgrad) {
+    // The four lanes of a quad hold one row: a fixed butterfly order keeps the sum deterministic.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_partial[h];
+      sum += __shfl_xor_sync(0xFFFFFFFF, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFF, sum, 2);
+      const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+      if (rows.written[h] && (lane & 3) == 0)
+        p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = sum;
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The kernel.
+// Roles.
 
-template <Mode kMode, bool kBMnMajor, typename OutT>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ TensorMaps maps, Params p) {
-  constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
-  constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-
-  const int warpgroup = threadIdx.x / 128;
-  const int thread_in_wg = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterBarrier::init(&full[s], 1);
-      cutlass::arch::ClusterBarrier::init(&empty[s], 8);  // one arrive per consumer warp
-    }
-    cutlass::arch::fence_barrier_init();
+// A stage is free again when the consumer warps of every CTA of the cluster (whose lhs half lives in it) are done.
+template <int kCluster>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  if constexpr (kCluster == 1) {
+    cutlass::arch::ClusterBarrier::arrive(empty);
+  } else {
+#pragma unroll
+    for (uint32_t cta = 0; cta < kCluster; ++cta) cutlass::arch::ClusterBarrier::arrive(empty, cta, 1);
   }
-  __syncthreads();
+}
 
+template <Mode kMode, bool kBMnMajor, int kCluster>
+__device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
+                                         uint64_t* empty) {
+  constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
+  cute::prefetch_tma_descriptor(&maps.a);
+  cute::prefetch_tma_descriptor(&maps.b);
+  cute::prefetch_tma_descriptor(&maps.b2);
+  const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
-  if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (thread_in_wg != 0) return;
-    cute::prefetch_tma_descriptor(&maps.a);
-    cute::prefetch_tma_descriptor(&maps.b);
-    cute::prefetch_tma_descriptor(&maps.b2);
-    uint32_t it = 0;
-    for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
-      int32_t steps = scheduler.k_steps(p, tile);
-      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-        uint32_t stage = it % kStages;
-        wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
-        uint8_t* a_smem = smem + stage * kStageBytes;
-        load_stage<kMode, kBMnMajor>(maps, p, tile, ks, a_smem, a_smem + kABytes, &full[stage]);
-      }
+  uint32_t it = 0;
+  for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
+    int32_t steps = scheduler.k_steps(p, tile);
+    for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+      uint32_t stage = it % kStages;
+      wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
+      uint8_t* a_smem = smem + stage * kStageBytes;
+      load_stage<kMode, kBMnMajor, kCluster>(maps, p, tile, ks, rank, a_smem, a_smem + kABytes, &full[stage]);
     }
-    return;
   }
+}
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int consumer = warpgroup - 1;
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+__device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
+                                         uint64_t* full, uint64_t* empty) {
+  constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
+  constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
+  const int consumer = threadIdx.x / 128 - 1;
   const int consumer_thread = threadIdx.x - 128;
+  const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
-  const int warpgroup_row0 = consumer * 64 + (thread_in_wg / 32) * 16;
+  StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
+                     threadIdx.x % 128 == 0};
   constexpr int kAccN = kMode == Mode::kSwiglu ? 64 : kBlockN / 2;
   float acc[kAccN];
   float acc_up[kMode == Mode::kSwiglu ? 64 : 1];
+  Scheduler<kMode, kBlockN> scheduler(p);
+  Tile tile;
   uint32_t it = 0;
   for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
     int32_t steps = scheduler.k_steps(p, tile);
@@ -467,12 +618,53 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       // Keep this step's wgmma in flight while releasing the previous step's stage.
       cute::warpgroup_wait<1>();
       fence_accumulators<kMode>(acc, acc_up);
-      if (ks > 0 && lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[(it - 1) % kStages]);
+      if (ks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
     }
     cute::warpgroup_wait<0>();
     fence_accumulators<kMode>(acc, acc_up);
-    if (steps > 0 && lane == 0) cutlass::arch::ClusterBarrier::arrive(&empty[(it - 1) % kStages]);
-    epilogue<kMode, kBlockN, OutT>(p, tile, steps > 0, acc, acc_up, warpgroup_row0, lane);
+    if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
+    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, acc_up, consumer, warp, lane, staged);
+  }
+  staged.drain();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel.
+
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ TensorMaps maps, Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* staging = smem + kStages * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
+  uint64_t* empty = full + kStages;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cutlass::arch::ClusterBarrier::init(&full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  // The peer multicasts into this CTA's stages and arrives on its barriers: they must be initialised first.
+  if constexpr (kCluster > 1) {
+    cute::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster>(maps, p, smem, full, empty);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    consume<kMode, kBMnMajor, OutT, kCluster>(maps, p, smem, staging, full, empty);
+  }
+  // Until its last k step the peer still multicasts into this CTA and arrives on its empty barriers: neither CTA of
+  // a cluster exits before both are done.
+  if constexpr (kCluster > 1) {
+    __syncwarp();
+    cute::cluster_sync();
   }
 }
 
