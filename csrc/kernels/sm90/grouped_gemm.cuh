@@ -14,6 +14,7 @@
 //    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
 //    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
+//    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
 //  - Every mbarrier wait has a 20 s deadline (then __trap), so a broken pipeline fails the launch instead of hanging.
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
