@@ -107,7 +107,12 @@ class MoETransformer(nnx.Module):
                            dtype=config.compute_dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> tuple[jax.Array, list[MoEAux]]:
-    x = self.embed(tokens)
+    # The byte vocabulary is small, so the lookup is a one-hot product: its gradient is a GEMM, where a gather's is a
+    # scatter-add whose atomics pile onto ~260 rows (22 ms of the 57 ms `small` step on the H200, in both backends:
+    # benchmarks/results/step_profile_h200.json at babd62c).
+    dtype = self.config.compute_dtype
+    one_hot = jax.nn.one_hot(tokens, self.config.vocab_size, dtype=dtype)
+    x = jnp.dot(one_hot, self.embed.embedding[...].astype(dtype), precision=jax.lax.Precision.HIGHEST)
     aux = []
     for block in self.blocks:
       x, block_aux = block(x)

@@ -186,9 +186,9 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
           int64_t i = r * s.inner + c;
           float gate_i = bf16_bits_to_float(gate.typed_data()[i]);
           float up_i = bf16_bits_to_float(up.typed_data()[i]);
-          partial += g[c - n0] * round_to_bf16(gg::swiglu(gate_i, up_i, clamp));
           float dg, du;
-          gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du);
+          float act = gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du);
+          partial += g[c - n0] * round_to_bf16(act);
           d_gate->typed_data()[i] = float_to_bf16_bits(dg);
           d_up->typed_data()[i] = float_to_bf16_bits(du);
         }

@@ -276,22 +276,41 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // tgmm: rows of a k step outside the group are zeroed in both operands (padding rows may hold anything, even NaN)
-// and lhs rows are scaled by row_scale, in shared memory before the wgmma reads them.
+// and lhs rows are scaled by row_scale, in shared memory before the wgmma reads them. Consumer thread t rewrites the
+// 16-byte chunks t, t + 256, t + 512 and t + 768 of the lhs stage: lines t/8 and t/8 + 32 of both 64-wide halves.
 
-__device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, int32_t ks, uint8_t* a_smem,
-                                           uint8_t* b_smem, int consumer_thread) {
-  int32_t step_row0 = ks * kBlockK;
-  int32_t rows_here = tile.valid - step_row0;  // > 0
+// The row_scale of the thread's two lines, read before the stage lands so that the global loads' latency overlaps
+// the wait (and the previous step's wgmma) instead of delaying this step's.
+struct TgmmScales {
+  float line[2];
+};
+
+__device__ __forceinline__ TgmmScales tgmm_scales(const Params& p, const Tile& tile, int32_t ks, int consumer_thread) {
+  TgmmScales scales{{1.0f, 1.0f}};
+  if (p.row_scale == nullptr) return scales;
+  const int32_t rows_here = tile.valid - ks * kBlockK;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int line = (consumer_thread >> 3) + 32 * i;
+    scales.line[i] = line < rows_here ? p.row_scale[tile.row0 + ks * kBlockK + line] : 0.0f;
+  }
+  return scales;
+}
+
+__device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, int32_t ks, const TgmmScales& scales,
+                                           uint8_t* a_smem, uint8_t* b_smem, int consumer_thread) {
+  int32_t rows_here = tile.valid - ks * kBlockK;  // > 0
   bool partial = rows_here < kBlockK;
   if (!partial && p.row_scale == nullptr) return;
-  // A: both 64-wide halves, 64 lines x 8 chunks of 16 B each = 1024 chunks over 256 threads.
-  for (int c = consumer_thread; c < 2 * 64 * 8; c += 256) {
-    int line = (c >> 3) & 63;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = consumer_thread + 256 * i;
+    const int line = (c >> 3) & 63;
     uint4* chunk = reinterpret_cast<uint4*>(a_smem + (c >> 9) * kSubTileBytes + line * kLineBytes + (c & 7) * 16);
     if (line >= rows_here) {
       *chunk = make_uint4(0, 0, 0, 0);
     } else if (p.row_scale != nullptr) {
-      float scale = p.row_scale[tile.row0 + step_row0 + line];
+      const float scale = scales.line[i & 1];
       uint4 v = *chunk;
       uint32_t* words = reinterpret_cast<uint32_t*>(&v);
 #pragma unroll
@@ -512,8 +531,7 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
             const float gate = bf16_bits_to_float(static_cast<uint16_t>(e ? gate2 >> 16 : gate2 & 0xFFFF));
             const float up = bf16_bits_to_float(static_cast<uint16_t>(e ? up2 >> 16 : up2 & 0xFFFF));
             const float g = acc[4 * (8 * c + jj) + 2 * h + e];
-            row_partial[h] += g * round_to_bf16(swiglu(gate, up, p.clamp));
-            swiglu_backward(gate, up, weight * g, p.clamp, &dg[e], &du[e]);
+            row_partial[h] += g * round_to_bf16(swiglu_backward(gate, up, weight * g, p.clamp, &dg[e], &du[e]));
           }
           d_gate.v[2 * jj + h] = pack_bf16x2(dg[0], dg[1]);
           d_up.v[2 * jj + h] = pack_bf16x2(du[0], du[1]);
@@ -594,10 +612,12 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
     int32_t steps = scheduler.k_steps(p, tile);
     for (int32_t ks = 0; ks < steps; ++ks, ++it) {
       uint32_t stage = it % kStages;
+      TgmmScales scales;
+      if constexpr (kMode == Mode::kTgmm) scales = tgmm_scales(p, tile, ks, consumer_thread);
       wait_barrier(&full[stage], (it / kStages) & 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
       uint8_t* b_smem = a_smem + kABytes;
-      if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, a_smem, b_smem, consumer_thread);
+      if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, scales, a_smem, b_smem, consumer_thread);
       uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem + consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes));
       uint32_t b_addr = cute::cast_smem_ptr_to_uint(b_smem);
       fence_accumulators<kMode>(acc, acc_up);
