@@ -155,8 +155,15 @@ JK_HOST_DEVICE float up_grad_factor(float up, SwigluClamp c) {
 
 JK_HOST_DEVICE float sigmoid(float x) {
 #if defined(__CUDA_ARCH__)
-  // The correctly rounded reciprocal is 1 / y to the bit, in fewer instructions than the IEEE division.
-  return __frcp_rn(1.0f + __expf(-x));
+  // The hardware reciprocal and one Newton step, within an ulp of 1 / y, without a branch. The IEEE division and
+  // __frcp_rn call a slow path for y out of the normal range; that call split every element of the SwiGLU epilogues
+  // into its own branch region, so the compiler ran each element's MUFU chain to the end before starting the next.
+  // The exponent is capped so that y stays finite (y = inf would make the Newton step 0 * inf): for x < -88 the
+  // reciprocal flushes to 0, where the division gives a denormal.
+  const float y = 1.0f + __expf(fminf(-x, 88.0f));
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return fmaf(r, fmaf(-y, r, 1.0f), r);
 #else
   return 1.0f / (1.0f + std::exp(-x));
 #endif

@@ -441,6 +441,75 @@ __device__ __forceinline__ ChunkPairs pack_chunk(const float* acc, int c, const 
   return pairs;
 }
 
+// dgrad: chunk c of the forward's saved gate and up in fragment order, 0 in rows without data (which may lie past
+// the buffer's end).
+struct SavedGateUp {
+  ChunkPairs gate, up;
+};
+
+__device__ __forceinline__ SavedGateUp load_saved_gate_up(const Params& p, const Tile& tile, const EpilogueRows& rows,
+                                                          int c, int warp, int lane) {
+  SavedGateUp saved;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int64_t at = row * p.n + tile.n0 + 64 * c + 8 * jj + 2 * (lane & 3);
+      saved.gate.v[2 * jj + h] = rows.data[h] ? __ldg(reinterpret_cast<const uint32_t*>(p.gate_in + at)) : 0u;
+      saved.up.v[2 * jj + h] = rows.data[h] ? __ldg(reinterpret_cast<const uint32_t*>(p.up_in + at)) : 0u;
+    }
+  }
+  return saved;
+}
+
+// The SwiGLU chunk math below is straight-line code per chunk, so that the compiler interleaves the elements' MUFU
+// chains (exp, reciprocal). The callers pass a constant inactive clamp when the clamp is off, and rows without data
+// are masked by selects, not skipped: a per-element test of either became a branch around every element pair, each
+// its own scheduling region, and the chains ran one after another.
+
+// act = swiglu(gate, up) of chunk c, zeros in rows without data.
+__device__ __forceinline__ ChunkPairs swiglu_chunk(const float* acc, const float* acc_up, int c,
+                                                   const EpilogueRows& rows, SwigluClamp clamp) {
+  ChunkPairs act;
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = 4 * (8 * c + jj) + 2 * h;
+      const uint32_t pair = pack_bf16x2(swiglu(acc[i], acc_up[i], clamp), swiglu(acc[i + 1], acc_up[i + 1], clamp));
+      act.v[2 * jj + h] = rows.data[h] ? pair : 0u;
+    }
+  }
+  return act;
+}
+
+// dgrad of chunk c from g = dy @ w_down^T (acc) and the saved gate/up: d_gate, d_up (zeros in rows without data,
+// where dy's padding rows may hold anything) and each row's router-weight partial sum(g * act).
+__device__ __forceinline__ void swiglu_dgrad_chunk(const float* acc, const SavedGateUp& saved, int c,
+                                                   const EpilogueRows& rows, const float (&weights)[2],
+                                                   SwigluClamp clamp, ChunkPairs* d_gate, ChunkPairs* d_up,
+                                                   float (&row_partial)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int k = 2 * jj + h;
+      float dg[2], du[2], partial = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float gate = bf16_bits_to_float(static_cast<uint16_t>(e ? saved.gate.v[k] >> 16 : saved.gate.v[k]));
+        const float up = bf16_bits_to_float(static_cast<uint16_t>(e ? saved.up.v[k] >> 16 : saved.up.v[k]));
+        const float g = acc[4 * (8 * c + jj) + 2 * h + e];
+        partial += g * round_to_bf16(swiglu_backward(gate, up, weights[h] * g, clamp, &dg[e], &du[e]));
+      }
+      row_partial[h] += rows.data[h] ? partial : 0.0f;
+      d_gate->v[k] = rows.data[h] ? pack_bf16x2(dg[0], dg[1]) : 0u;
+      d_up->v[k] = rows.data[h] ? pack_bf16x2(du[0], du[1]) : 0u;
+    }
+  }
+}
+
 template <Mode kMode, int kBlockN, typename OutT>
 __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p, const Tile& tile, bool has_data,
                                          const float* acc, const float* acc_up, int consumer, int warp, int lane,
@@ -475,7 +544,14 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     }
   };
 
-  float row_partial[2] = {0.0f, 0.0f};  // dgrad
+  // dgrad: the router weights of the thread's two rows.
+  float row_partial[2] = {0.0f, 0.0f};
+  float weights[2] = {0.0f, 0.0f};
+  if constexpr (kMode == Mode::kSwigluDgrad) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (rows.data[h]) weights[h] = p.row_weights[rows.first + warp * 16 + (lane >> 2) + 8 * h];
+  }
 #pragma unroll
   for (int c = 0; c < kBlockN / 64; ++c) {
     if (tile.n0 + 64 * c >= p.n) break;
@@ -495,47 +571,19 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     } else if constexpr (kMode == Mode::kGmm || kMode == Mode::kTgmm) {
       emit(0, c, pack_chunk(acc, c, rows));
     } else if constexpr (kMode == Mode::kSwiglu) {
-      ChunkPairs act;
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int i = 4 * (8 * c + jj) + 2 * h;
-          act.v[2 * jj + h] = rows.data[h] ? pack_bf16x2(swiglu(acc[i], acc_up[i], p.clamp),
-                                                         swiglu(acc[i + 1], acc_up[i + 1], p.clamp))
-                                           : 0u;
-        }
-      }
-      emit(0, c, act);
+      emit(0, c, p.clamp.active() ? swiglu_chunk(acc, acc_up, c, rows, p.clamp)
+                                  : swiglu_chunk(acc, acc_up, c, rows, SwigluClamp{0.0f}));
       if (p.out2 != nullptr) {
         emit(1, c, pack_chunk(acc, c, rows));
         emit(2, c, pack_chunk(acc_up, c, rows));
       }
     } else {  // kSwigluDgrad
+      const SavedGateUp saved = load_saved_gate_up(p, tile, rows, c, warp, lane);
       ChunkPairs d_gate, d_up;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
-        const float weight = rows.data[h] ? p.row_weights[row] : 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          d_gate.v[2 * jj + h] = 0u;
-          d_up.v[2 * jj + h] = 0u;
-          if (!rows.data[h]) continue;
-          const int64_t at = row * p.n + tile.n0 + 64 * c + 8 * jj + col_in_chunk;
-          const uint32_t gate2 = *reinterpret_cast<const uint32_t*>(p.gate_in + at);
-          const uint32_t up2 = *reinterpret_cast<const uint32_t*>(p.up_in + at);
-          float dg[2], du[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float gate = bf16_bits_to_float(static_cast<uint16_t>(e ? gate2 >> 16 : gate2 & 0xFFFF));
-            const float up = bf16_bits_to_float(static_cast<uint16_t>(e ? up2 >> 16 : up2 & 0xFFFF));
-            const float g = acc[4 * (8 * c + jj) + 2 * h + e];
-            row_partial[h] += g * round_to_bf16(swiglu_backward(gate, up, weight * g, p.clamp, &dg[e], &du[e]));
-          }
-          d_gate.v[2 * jj + h] = pack_bf16x2(dg[0], dg[1]);
-          d_up.v[2 * jj + h] = pack_bf16x2(du[0], du[1]);
-        }
+      if (p.clamp.active()) {
+        swiglu_dgrad_chunk(acc, saved, c, rows, weights, p.clamp, &d_gate, &d_up, row_partial);
+      } else {
+        swiglu_dgrad_chunk(acc, saved, c, rows, weights, SwigluClamp{0.0f}, &d_gate, &d_up, row_partial);
       }
       emit(0, c, d_gate);
       emit(1, c, d_up);
