@@ -15,7 +15,9 @@ Backward (`jax.custom_vjp`):
   -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm, transpose_rhs, rhs2)
   -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
   weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down with the router weights as row
-  scale), and d(router weights) gathered from the rows back to [T, k].
+  scale), and d(router weights) gathered from the rows back to [T, k]. The shared experts' weight gradients
+  contract one group of T rows: when that gives few output tiles, the rows are cut into slices contracted as
+  separate groups (float32 partials, summed in slice order).
 ``recompute=False`` keeps the gate/up pre-activations from the forward ([R, I] bf16 each, R =
 ``num_schedule_rows(T*k, E, ROW_ALIGN)``); ``recompute=True`` keeps only the inputs and the schedule.
 
@@ -49,11 +51,28 @@ def unsupported_reason(x, w_gate, shared_experts=None) -> str | None:
   return None
 
 
-class _Layout:
-  """Row groups of one grouped-GEMM call: group_offsets [G+1] int32, group_sizes [G] int32."""
+# A weight gradient of one row group has ceil(K/128) * ceil(N/256) output tiles, one CTA each: 8 for the `small`
+# config's 512 x 512 shared expert, which left 124 of the H200's 132 SMs idle through 16384 rows of contraction.
+# Such a group's rows are cut into slices of at least _MIN_SLICE_ROWS, enough for about _TARGET_TILES tiles.
+_TGMM_TILE = (128, 256)
+_TARGET_TILES = 256  # two waves over 132 SMs
+_MIN_SLICE_ROWS = 1024
 
-  def __init__(self, offsets, sizes):
-    self.offsets, self.sizes = offsets, sizes
+
+def _contraction_slices(num_rows: int, k: int, n: int) -> int:
+  """How many row slices a one-group weight gradient lhs [num_rows, k]^T @ rhs [num_rows, n] is cut into."""
+  tiles = -(-k // _TGMM_TILE[0]) * -(-n // _TGMM_TILE[1])
+  return max(1, min(-(-_TARGET_TILES // tiles), num_rows // _MIN_SLICE_ROWS))
+
+
+class _Layout:
+  """Row groups of one grouped-GEMM call: group_offsets [G+1] int32, group_sizes [G] int32.
+
+  num_rows: for a one-group layout over rows [0, num_rows), which tgmm may cut into slices; None otherwise.
+  """
+
+  def __init__(self, offsets, sizes, num_rows=None):
+    self.offsets, self.sizes, self.num_rows = offsets, sizes, num_rows
 
   @classmethod
   def of_schedule(cls, schedule):
@@ -61,7 +80,7 @@ class _Layout:
 
   @classmethod
   def one_group(cls, num_rows):
-    return cls(jnp.array([0, num_rows], jnp.int32), jnp.array([num_rows], jnp.int32))
+    return cls(jnp.array([0, num_rows], jnp.int32), jnp.array([num_rows], jnp.int32), num_rows)
 
   def gmm_swiglu(self, x_rows, w_gate, w_up, limit, save):
     return grouped_matmul.gmm_swiglu(x_rows, w_gate, w_up, self.offsets, self.sizes, swiglu_limit=limit,
@@ -71,7 +90,17 @@ class _Layout:
     return grouped_matmul.gmm(lhs, rhs, self.offsets, self.sizes, **kwargs)
 
   def tgmm(self, lhs, rhs, out_dtype, **kwargs):
-    return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype, **kwargs)
+    slices = 1 if self.num_rows is None else _contraction_slices(self.num_rows, lhs.shape[1], rhs.shape[1])
+    if slices == 1:
+      return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype, **kwargs)
+    # Slices of whole 64-row k steps; the last takes the rest.
+    step = -(-self.num_rows // slices // 64) * 64
+    bounds = np.minimum(np.arange(slices + 1) * step, self.num_rows)
+    bounds[-1] = self.num_rows
+    partials = grouped_matmul.tgmm(lhs, rhs, jnp.asarray(bounds, jnp.int32), jnp.asarray(np.diff(bounds), jnp.int32),
+                                   out_dtype=jnp.float32, **kwargs)
+    # A chain of adds fixes the order of the sum (a reduce may be split differently by the compiler).
+    return functools.reduce(jnp.add, list(partials)).astype(out_dtype)[None]
 
   def dgrad(self, dy_rows, w_down, gate, up, row_weights, limit):
     return grouped_matmul.gmm_swiglu_dgrad(dy_rows, w_down, gate, up, row_weights, self.offsets, self.sizes,
@@ -92,7 +121,8 @@ def _experts_forward(layout, x_rows, w_gate, w_up, w_down, limit, save):
 def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down, preactivations, limit):
   """Gradients of the experts over rows: (d_x_rows [R, H], d_row_weights [R] f32, (dW_gate, dW_up, dW_down)).
 
-  dy_rows is the unweighted gradient of each row's token; row_weights scales it (the router weight of the row).
+  dy_rows is the unweighted gradient of each row's token; row_weights [R] f32 scales it (the router weight of the
+  row), or None for weight 1 (the shared experts: dW_down then needs no row scale).
   preactivations: the forward's (gate, up), or None to recompute them.
   """
   if preactivations is None:
@@ -101,7 +131,8 @@ def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down
     gate, up = preactivations
     # Elementwise from the bf16 pre-activations: the hidden the dgrad epilogue uses for d_row_weights too.
     act = reference.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit).astype(gate.dtype)
-  d_gate, d_up, d_row_weights = layout.dgrad(dy_rows, w_down, gate, up, row_weights, limit)
+  dgrad_weights = jnp.ones(dy_rows.shape[:1], jnp.float32) if row_weights is None else row_weights
+  d_gate, d_up, d_row_weights = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
   d_x_rows = layout.gmm(jnp.concatenate([d_gate, d_up], axis=1), w_gate, transpose_rhs=True, rhs2=w_up)
   d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
   d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
@@ -152,8 +183,7 @@ def _moe_bwd(limit, recompute, residuals, d_y):
                                                         w_gate, w_up, w_down, preactivations, limit)
   d_shared, d_x_shared = None, None
   if shared_experts is not None:
-    ones = jnp.ones((x.shape[0],), jnp.float32)
-    d_x_shared, _, d_stacked = _experts_backward(_Layout.one_group(x.shape[0]), x, d_y, ones,
+    d_x_shared, _, d_stacked = _experts_backward(_Layout.one_group(x.shape[0]), x, d_y, None,
                                                  *_stacked(shared_experts), shared_preactivations, limit)
     d_shared = tuple(d[0] for d in d_stacked)
   d_x = permute.combine(d_x_rows, sched.rows, addend=d_x_shared)

@@ -218,6 +218,8 @@ CASES = [
     (43, 128, 64, 5, 2, "uniform", 64, None, False),
     (1, 64, 64, 3, 3, "uniform", 64, None, False),
     (33, 64, 64, 4, 2, "uniform", None, None, True),
+    # enough tokens that the shared experts' weight gradients are contracted in row slices
+    (2100, 64, 64, 4, 1, "skewed", 64, None, False),
 ]
 
 
@@ -249,6 +251,18 @@ def test_matches_oracle_and_reference(on_cpu, rng, tokens, hidden, intermediate,
     assert rel_error(y, want_y) < REL_ERROR_BOUND  # the gradients: see f32_reference
   ref_y, ref_grads = f32_reference(layer, d_y, limit)
   assert_close_to(y, grads, ref_y, ref_grads)
+
+
+@pytest.mark.parametrize("rows,k,n", [(2100, 64, 128), (4096, 192, 64)])
+def test_one_group_weight_gradient_in_row_slices(on_cpu, rng, rows, k, n):
+  """A one-group tgmm with few output tiles runs as row slices with f32 partials: still lhs^T @ rhs."""
+  assert fused_moe._contraction_slices(rows, k, n) > 1  # the sliced path is the one under test
+  lhs, rhs = bf16(rng.standard_normal((rows, k))), bf16(rng.standard_normal((rows, n)))
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    out = jax.jit(lambda a, b: fused_moe._Layout.one_group(rows).tgmm(a, b, out_dtype))(lhs, rhs)
+    assert out.shape == (1, k, n) and out.dtype == out_dtype
+    # f32 sums of exact bf16 products: far below bf16 rounding unless a slice's rows were lost or counted twice.
+    assert rel_error(out[0], as_f64(lhs).T @ as_f64(rhs)) < (1e-5 if out_dtype == jnp.float32 else 4e-3)
 
 
 def test_recompute_agrees_and_runs_are_bit_identical(on_cpu, rng):
