@@ -344,6 +344,9 @@ __device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, in
 // Epilogues. Fragment of thread (warp w in its warpgroup, lane l): rows w*16 + l/4 + 8h of the warpgroup's 64,
 // columns 8j + 2(l%4) + {0,1} in acc[4j + 2h + {0,1}]. Outputs go out in 64-column chunks.
 
+// The warpgroup row of the thread's fragment row h.
+__device__ __forceinline__ int fragment_line(int warp, int lane, int h) { return warp * 16 + (lane >> 2) + 8 * h; }
+
 // One 64-column chunk of a bf16 output in fragment order: v[2 jj + h] packs columns 8 jj + 2(l%4) + {0,1} of the
 // chunk in row h.
 struct ChunkPairs {
@@ -369,7 +372,7 @@ struct StagedStore {
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int line = warp * 16 + (lane >> 2) + 8 * h;
+      const int line = fragment_line(warp, lane, h);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         // 128-byte swizzle: 16-byte chunk jj of line r sits at chunk jj ^ (r % 8). One row per quad, eight rows
@@ -414,13 +417,13 @@ __device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Til
     rows.first = tile.m0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
       rows.data[h] = has_data;
-      rows.written[h] = rows.first + warp * 16 + (lane >> 2) + 8 * h < p.m_extent;
+      rows.written[h] = rows.first + fragment_line(warp, lane, h) < p.m_extent;
     }
     rows.staged = sizeof(OutT) == 2 && rows.first < p.m_extent;  // the 3D map clips at K
   } else {
     rows.first = tile.row0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
-      const int32_t r = wg_row0 + warp * 16 + (lane >> 2) + 8 * h;
+      const int32_t r = wg_row0 + fragment_line(warp, lane, h);
       rows.data[h] = has_data && r < tile.valid;
       rows.written[h] = r < tile.written;
     }
@@ -462,7 +465,7 @@ __device__ __forceinline__ SavedGateUp load_saved_gate_up(const Params& p, const
   SavedGateUp saved;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+    const int64_t row = static_cast<int64_t>(rows.first) + fragment_line(warp, lane, h);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int64_t at = row * p.n + tile.n0 + 64 * c + 8 * jj + 2 * (lane & 3);
@@ -525,24 +528,27 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     if constexpr (kMode == Mode::kTgmm) row += static_cast<int64_t>(tile.group) * p.m_extent;
     return static_cast<OutT*>(base) + row * p.n;
   };
-  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
-    const int32_t col0 = tile.n0 + 64 * c;
-    if (rows.staged) {
-      if constexpr (kMode == Mode::kTgmm) {
-        staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
-      } else {
-        staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
-      }
-      return;
-    }
-    uint16_t* out = reinterpret_cast<uint16_t*>(out_rows(o));
+  // Chunk c of output o stored from registers: pair_at(h, jj) is what goes to fragment row h, columns
+  // 8 jj + 2(l%4) + {0,1} of the chunk (a bf16x2 word or a float2).
+  auto store_from_registers = [&](int o, int c, auto pair_at) {
+    using Pair = decltype(pair_at(0, 0));
+    OutT* out = out_rows(o) + tile.n0 + 64 * c + col_in_chunk;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!rows.written[h]) continue;
-      const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
+      const int64_t line = fragment_line(warp, lane, h);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<uint32_t*>(out + line * p.n + col0 + 8 * jj + col_in_chunk) = pairs.v[2 * jj + h];
+      for (int jj = 0; jj < 8; ++jj) *reinterpret_cast<Pair*>(out + line * p.n + 8 * jj) = pair_at(h, jj);
+    }
+  };
+  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
+    const int32_t col0 = tile.n0 + 64 * c;
+    if (!rows.staged) {
+      store_from_registers(o, c, [&](int h, int jj) { return pairs.v[2 * jj + h]; });
+    } else if constexpr (kMode == Mode::kTgmm) {
+      staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
+    } else {
+      staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
     }
   };
 
@@ -552,24 +558,16 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
   if constexpr (kMode == Mode::kSwigluDgrad) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (rows.data[h]) weights[h] = p.row_weights[rows.first + warp * 16 + (lane >> 2) + 8 * h];
+      if (rows.data[h]) weights[h] = p.row_weights[rows.first + fragment_line(warp, lane, h)];
   }
 #pragma unroll
   for (int c = 0; c < kBlockN / 64; ++c) {
     if (tile.n0 + 64 * c >= p.n) break;
     if constexpr (sizeof(OutT) == 4) {  // gmm or tgmm to float32: from registers
-      OutT* out = out_rows(0);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!rows.written[h]) continue;
-        const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int i = 4 * (8 * c + jj) + 2 * h;
-          *reinterpret_cast<float2*>(out + line * p.n + tile.n0 + 64 * c + 8 * jj + col_in_chunk) =
-              rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
-        }
-      }
+      store_from_registers(0, c, [&](int h, int jj) {
+        const int i = 4 * (8 * c + jj) + 2 * h;
+        return rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
+      });
     } else if constexpr (kMode == Mode::kGmm || kMode == Mode::kTgmm) {
       emit(0, c, pack_chunk(acc, c, rows));
     } else if constexpr (kMode == Mode::kSwiglu) {
@@ -598,7 +596,7 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
       float sum = row_partial[h];
       sum += __shfl_xor_sync(0xFFFFFFFF, sum, 1);
       sum += __shfl_xor_sync(0xFFFFFFFF, sum, 2);
-      const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+      const int64_t row = static_cast<int64_t>(rows.first) + fragment_line(warp, lane, h);
       if (rows.written[h] && (lane & 3) == 0)
         p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = sum;
     }
