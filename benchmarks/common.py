@@ -7,11 +7,14 @@ number.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import glob
 import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -171,6 +174,67 @@ def measure(row: dict, run: Callable[[], dict]) -> dict:
     row["error"] = error_message(error)
   print(format_row(row), flush=True)
   return row
+
+
+def device_events(xspace_path: str):
+  """(op, kernel, duration_ns) of every device event: GPU stream events, or XLA ops on host threads without a GPU."""
+  profile = jax.profiler.ProfileData.from_file(xspace_path)
+  gpu_planes = [plane for plane in profile.planes if plane.name.startswith("/device:GPU")]
+  for plane in gpu_planes or [plane for plane in profile.planes if plane.name == "/host:CPU"]:
+    for line in plane.lines:
+      if gpu_planes and not line.name.startswith("Stream"):
+        continue  # derived lines ("XLA Ops", "XLA Modules") repeat the stream events
+      for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" not in stats:
+          continue  # not an XLA op's work (profiler bookkeeping, Python frames)
+        yield stats["hlo_op"], event.name, event.duration_ns
+
+
+def traced_device_time(run: Callable[[], object], calls: int, *, top: int) -> dict:
+  """``run()`` ``calls`` times under ``jax.profiler``: device time per call, summed per XLA op and per kernel name.
+
+  ``run`` returns what to block on. ``busy_ms`` adds every device event up; on one stream it is at most the wall time
+  per call, and the difference is time the device idled (launch gaps, host work).
+  """
+  trace_dir = tempfile.mkdtemp(prefix="jk_trace_")
+  began = time.perf_counter()
+  with jax.profiler.trace(trace_dir):
+    for _ in range(calls):
+      out = run()
+    jax.block_until_ready(out)
+  wall_ms = (time.perf_counter() - began) * 1e3 / calls
+  (xspace,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  per_op = collections.defaultdict(lambda: [0.0, 0, ""])  # op -> [ns, events, a kernel name]
+  per_kernel = collections.defaultdict(lambda: [0.0, 0])  # kernel name (its first 80 characters) -> [ns, events]
+  for op, kernel, duration_ns in device_events(xspace):
+    entry = per_op[op]
+    entry[0] += duration_ns
+    entry[1] += 1
+    entry[2] = entry[2] or kernel
+    per_kernel[kernel[:80]][0] += duration_ns
+    per_kernel[kernel[:80]][1] += 1
+  ops = sorted(per_op.items(), key=lambda item: -item[1][0])
+  busy_ms = sum(entry[0] for _, entry in ops) / 1e6 / calls
+  return {"traced_wall_ms": wall_ms, "busy_ms": busy_ms, "ops": len(ops),
+          "top": [{"op": op, "ms": ns / 1e6 / calls, "share": ns / 1e6 / calls / busy_ms if busy_ms else 0.0,
+                   "events_per_call": count / calls, "kernel": kernel[:120]}
+                  for op, (ns, count, kernel) in ops[:top]],
+          "top_kernels": [{"kernel": kernel, "ms": ns / 1e6 / calls, "events_per_call": count / calls}
+                          for kernel, (ns, count) in sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top]]}
+
+
+def print_traced(title: str, row: dict):
+  """A traced row (`traced_device_time`'s fields, or its ``error``) as text: the ops, then the kernels."""
+  print(f"== {title}: " + (row.get("error") or f"traced {row['traced_wall_ms']:.2f} ms/call, device busy "
+                                                f"{row['busy_ms']:.2f} ms/call, {row['ops']} ops"), flush=True)
+  for op in row.get("top", []):
+    print(f"  {op['ms']:8.3f} ms {100 * op['share']:5.1f}%  x{op['events_per_call']:<5g} {op['op'][:60]:60s} "
+          f"{op['kernel'][:60]}")
+  if row.get("top_kernels"):
+    print("  by kernel:")
+  for kernel in row.get("top_kernels", []):
+    print(f"  {kernel['ms']:8.3f} ms  x{kernel['events_per_call']:<5g} {kernel['kernel']}")
 
 
 def tflops(flops: float, median_ms: float) -> float:

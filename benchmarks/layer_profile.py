@@ -1,0 +1,86 @@
+"""Where one MoE layer call's device time goes: `moe_ffn(backend="kittens")` (uniform and skewed routing) and the
+dense chain, forward and forward+backward, on `layer.py`'s inputs (each model shape's single-GPU slice), under
+``jax.profiler``: device time per call, summed per kernel and per XLA op (`common.traced_device_time`).
+
+Tells the grouped GEMMs from the gather, combine and schedule, and each from its dense counterpart, which
+`layer.py`'s wall-clock ratios cannot.
+
+  python3 benchmarks/layer_profile.py                   # on the H200: benchmarks/results/layer_profile_h200.json
+  python3 benchmarks/layer_profile.py --shapes qwen3.5  # some shapes
+  python3 benchmarks/layer_profile.py --smoke           # tiny shapes, any platform
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import common  # noqa: E402
+import layer  # noqa: E402
+
+from jax_kittens import moe  # noqa: E402
+
+
+def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
+  """Rows of one model shape: kittens per routing and the dense chain, per mode."""
+  inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
+  kittens = functools.partial(moe.moe_ffn, backend="kittens")
+  cases = [(routing, kittens, layer.ROUTED_DIFFERENTIABLE,
+            (inputs["xs"][0], *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"])
+           for routing in common.ROUTINGS]
+  cases.append(("equal", layer.dense_layer, layer.DENSE_DIFFERENTIABLE, (inputs["dense_rows"], *inputs["experts"]),
+                inputs["dense_d_y"]))
+  rows = []
+  for routing, fn, differentiable, args, d_y in cases:
+    for mode in layer.MODES:
+      row = {"shape": name, "mode": mode, "backend": "dense" if routing == "equal" else "kittens",
+             "routing": routing}
+      try:
+        compiled = jax.jit(fn if mode == "fwd" else layer.forward_backward(fn, differentiable))
+        call_args = args if mode == "fwd" else (*args, d_y)
+        for _ in range(warmup):
+          jax.block_until_ready(compiled(*call_args))
+        row.update(common.traced_device_time(lambda: compiled(*call_args), calls, top=top))  # noqa: B023
+      except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
+        row["error"] = common.error_message(error)
+      common.print_traced(f"{name} {mode} {row['backend']} {routing} (per call)", row)
+      rows.append(row)
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any platform")
+  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--calls", type=int, default=5, help="traced calls")
+  parser.add_argument("--top", type=int, default=12, help="ops and kernels listed per row")
+  parser.add_argument("--out-dir", default=None, help=f"default {common.RESULTS_DIR}; a temp dir with --smoke")
+  args = parser.parse_args()
+  out_dir = args.out_dir or (os.path.join("/tmp", "jax_kittens_benchmarks") if args.smoke else common.RESULTS_DIR)
+  shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
+  if args.shapes is not None:
+    unknown = set(args.shapes.split(",")) - set(shapes)
+    if unknown:
+      parser.error(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
+    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
+  rows = []
+  for name, shape in shapes.items():
+    rows += profile_shape(name, shape, num_tokens, warmup=args.warmup, calls=args.calls, top=args.top)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"layer_profile_{'smoke' if args.smoke else 'h200'}.json")
+  with open(path, "w") as f:
+    json.dump({**common.metadata(), "calls": args.calls, "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
