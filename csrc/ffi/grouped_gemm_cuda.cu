@@ -102,21 +102,21 @@ template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
 ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
                                int64_t max_tiles) {
   auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster>;
-  // The 4-stage ring needs more than the default 48 KB of dynamic shared memory (a per-device setting).
-  JK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::kSmemBytes));
-  // Co-resident clusters (the GPCs' SM counts can leave SMs over), per device: the query costs more than a launch.
+  // Once per device (both cost more than a launch): the 4-stage ring's opt-in to more than the default 48 KB of
+  // dynamic shared memory, then the count of co-resident clusters (the GPCs' SM counts can leave SMs over).
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached_clusters[kMaxDevices] = {};
   int ordinal;
   JK_CUDA_CHECK(cudaGetDevice(&ordinal));
   JK_FFI_CHECK(ordinal < kMaxDevices, "grouped GEMM: device ordinal above 63");
-  int clusters = cached_clusters[ordinal].load(std::memory_order_relaxed);
+  int clusters = cached_clusters[ordinal].load(std::memory_order_acquire);
   cudaLaunchAttribute attribute;
   if (clusters == 0) {
+    JK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90::kSmemBytes));
     cudaLaunchConfig_t query = launch_config(kCluster, kCluster, stream, &attribute);
     JK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &query));
     JK_FFI_CHECK(clusters > 0, "grouped GEMM: no cluster of the kernel fits on this device");
-    cached_clusters[ordinal].store(clusters, std::memory_order_relaxed);
+    cached_clusters[ordinal].store(clusters, std::memory_order_release);
   }
   int64_t grid = std::min<int64_t>(max_tiles, int64_t{clusters} * kCluster) / kCluster * kCluster;
   cudaLaunchConfig_t config = launch_config(static_cast<unsigned>(grid), kCluster, stream, &attribute);

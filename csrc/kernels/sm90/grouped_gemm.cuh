@@ -4,9 +4,11 @@
 // One persistent, warp-specialized kernel template serves all four:
 //  - 384 threads: warpgroup 0 is the producer (one thread issues TMA loads into a 4-stage shared-memory ring, each
 //    stage guarded by a "full" mbarrier with the transaction byte count and an "empty" mbarrier the consumers
-//    arrive on); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128-row tile and issuing wgmma
-//    (m64nNk16, operands from shared memory, float32 accumulators in registers). setmaxnreg moves registers from
-//    the producer to the consumers.
+//    arrive on); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128-row tile and issuing one
+//    m64n256k16 wgmma per 16-wide k slice (operands from shared memory, float32 accumulators in registers; the
+//    SwiGLU modes' 256 columns are the gate's 128 and then the up's, so both products come from one instruction).
+//    A consumer whose 64 rows hold no data (the short last tile of a group) issues none, and the tensor cores serve
+//    the other one alone. setmaxnreg moves registers from the producer to the consumers.
 //  - The tile scheduler runs on the device: every CTA walks the linear tile index blockIdx.x, +gridDim.x, ... and
 //    maps it to (group, m block, n block) from group_offsets, so nothing is synced to the host. Producer and
 //    consumers walk the same sequence; the decomposition is kernels/grouped_gemm.h's, which the CPU twins walk too.
@@ -126,6 +128,12 @@ struct Scheduler {
     if constexpr (kMode == Mode::kTgmm) return (tile.valid + kBlockK - 1) / kBlockK;
     return tile.valid > 0 ? p.k_steps1 + p.k_steps2 : 0;
   }
+
+  // Whether consumer c's 64 rows of the tile hold data (tgmm: lie inside K, a multiple of 64), i.e. have products.
+  __device__ bool consumer_has_rows(const Params& p, const Tile& tile, int consumer) const {
+    if constexpr (kMode == Mode::kTgmm) return tile.m0 + 64 * consumer < p.m_extent;
+    return 64 * consumer < tile.valid;
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -177,8 +185,13 @@ constexpr uint32_t k16_advance(bool mn_major) { return mn_major ? 2 * 1024 : 32;
 template <Mode kMode>
 struct OperandLayout {
   static constexpr bool kAMnMajor = kMode == Mode::kTgmm;
-  static constexpr int kBlockN = kMode == Mode::kSwiglu ? kSwigluTileCols : kTileCols;
+  static constexpr int kBlockN = kMode == Mode::kSwiglu ? kSwigluTileCols : kTileCols;  // output columns
 };
+
+// A consumer's 64 x 256 float32 fragment: 128 registers per thread. In the SwiGLU mode up column j sits kUpOffset
+// registers after gate column j (128 columns further along the fragment).
+constexpr int kAccumulators = 128;
+constexpr int kUpOffset = 64;
 
 // ---------------------------------------------------------------------------------------------------------------
 // wgmma wrappers: expand the accumulator array into the instruction's register list.
@@ -189,27 +202,18 @@ __device__ __forceinline__ void mma_call(uint64_t desc_a, uint64_t desc_b, float
   Mma::fma(desc_a, desc_b, acc[I]..., scale);
 }
 
-template <int kN, bool kAMn, bool kBMn>
+template <bool kAMn, bool kBMn>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float* acc, bool accumulate) {
   using cute::SM90::GMMA::Major;
-  constexpr Major a_major = kAMn ? Major::MN : Major::K;
-  constexpr Major b_major = kBMn ? Major::MN : Major::K;
-  using Mma = typename std::conditional<kN == 256, cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<a_major, b_major>,
-                                        cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<a_major, b_major>>::type;
+  using Mma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kAMn ? Major::MN : Major::K, kBMn ? Major::MN : Major::K>;
   mma_call<Mma>(desc_a, desc_b, acc, accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
-                std::make_index_sequence<kN / 2>{});
+                std::make_index_sequence<kAccumulators>{});
 }
 
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
-template <Mode kMode>
-__device__ __forceinline__ void fence_accumulators(float* acc, float* acc_up) {
-  constexpr int kAccN = kMode == Mode::kSwiglu ? 64 : 128;
+__device__ __forceinline__ void fence_accumulators(float* acc) {
 #pragma unroll
-  for (int i = 0; i < kAccN; ++i) cute::warpgroup_fence_operand(acc[i]);
-  if constexpr (kMode == Mode::kSwiglu) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(acc_up[i]);
-  }
+  for (int i = 0; i < kAccumulators; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +251,7 @@ __device__ __forceinline__ void load_stage(const TensorMaps& maps, const Params&
     int32_t row = tile.row0 + ks * kBlockK;
     for (int j = 0; j < 4; ++j)
       cute::SM90_TMA_LOAD_2D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, row);
-  } else if constexpr (kMode == Mode::kSwiglu) {
+  } else if constexpr (kMode == Mode::kSwiglu) {  // one 256-column operand: the gate's 128 columns, then the up's
     for (int j = 0; j < 2; ++j) {
       cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
                                    ks * kBlockK, tile.group);
@@ -340,6 +344,9 @@ __device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, in
 // Epilogues. Fragment of thread (warp w in its warpgroup, lane l): rows w*16 + l/4 + 8h of the warpgroup's 64,
 // columns 8j + 2(l%4) + {0,1} in acc[4j + 2h + {0,1}]. Outputs go out in 64-column chunks.
 
+// The warpgroup row of the thread's fragment row h.
+__device__ __forceinline__ int fragment_line(int warp, int lane, int h) { return warp * 16 + (lane >> 2) + 8 * h; }
+
 // One 64-column chunk of a bf16 output in fragment order: v[2 jj + h] packs columns 8 jj + 2(l%4) + {0,1} of the
 // chunk in row h.
 struct ChunkPairs {
@@ -365,7 +372,7 @@ struct StagedStore {
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int line = warp * 16 + (lane >> 2) + 8 * h;
+      const int line = fragment_line(warp, lane, h);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         // 128-byte swizzle: 16-byte chunk jj of line r sits at chunk jj ^ (r % 8). One row per quad, eight rows
@@ -410,13 +417,13 @@ __device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Til
     rows.first = tile.m0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
       rows.data[h] = has_data;
-      rows.written[h] = rows.first + warp * 16 + (lane >> 2) + 8 * h < p.m_extent;
+      rows.written[h] = rows.first + fragment_line(warp, lane, h) < p.m_extent;
     }
     rows.staged = sizeof(OutT) == 2 && rows.first < p.m_extent;  // the 3D map clips at K
   } else {
     rows.first = tile.row0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
-      const int32_t r = wg_row0 + warp * 16 + (lane >> 2) + 8 * h;
+      const int32_t r = wg_row0 + fragment_line(warp, lane, h);
       rows.data[h] = has_data && r < tile.valid;
       rows.written[h] = r < tile.written;
     }
@@ -427,18 +434,24 @@ __device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Til
   return rows;
 }
 
-// Chunk c of the warpgroup's fragment as bf16 pairs, zeros in rows without data.
-__device__ __forceinline__ ChunkPairs pack_chunk(const float* acc, int c, const EpilogueRows& rows) {
+// Chunk c of the warpgroup's fragment as bf16 pairs: pair_of(i) packs the two columns at acc[i], acc[i + 1]; zeros
+// in rows without data. Rows are masked by selects, not skipped (see the SwiGLU chunks below).
+template <class PairOf>
+__device__ __forceinline__ ChunkPairs chunk_pairs(int c, const EpilogueRows& rows, PairOf pair_of) {
   ChunkPairs pairs;
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int i = 4 * (8 * c + jj) + 2 * h;
-      pairs.v[2 * jj + h] = rows.data[h] ? pack_bf16x2(acc[i], acc[i + 1]) : 0u;
+      const uint32_t pair = pair_of(4 * (8 * c + jj) + 2 * h);
+      pairs.v[2 * jj + h] = rows.data[h] ? pair : 0u;
     }
   }
   return pairs;
+}
+
+__device__ __forceinline__ ChunkPairs pack_chunk(const float* acc, int c, const EpilogueRows& rows) {
+  return chunk_pairs(c, rows, [&](int i) { return pack_bf16x2(acc[i], acc[i + 1]); });
 }
 
 // dgrad: chunk c of the forward's saved gate and up in fragment order, 0 in rows without data (which may lie past
@@ -452,7 +465,7 @@ __device__ __forceinline__ SavedGateUp load_saved_gate_up(const Params& p, const
   SavedGateUp saved;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+    const int64_t row = static_cast<int64_t>(rows.first) + fragment_line(warp, lane, h);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int64_t at = row * p.n + tile.n0 + 64 * c + 8 * jj + 2 * (lane & 3);
@@ -468,20 +481,12 @@ __device__ __forceinline__ SavedGateUp load_saved_gate_up(const Params& p, const
 // are masked by selects, not skipped: a per-element test of either became a branch around every element pair, each
 // its own scheduling region, and the chains ran one after another.
 
-// act = swiglu(gate, up) of chunk c, zeros in rows without data.
-__device__ __forceinline__ ChunkPairs swiglu_chunk(const float* acc, const float* acc_up, int c,
-                                                   const EpilogueRows& rows, SwigluClamp clamp) {
-  ChunkPairs act;
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = 4 * (8 * c + jj) + 2 * h;
-      const uint32_t pair = pack_bf16x2(swiglu(acc[i], acc_up[i], clamp), swiglu(acc[i + 1], acc_up[i + 1], clamp));
-      act.v[2 * jj + h] = rows.data[h] ? pair : 0u;
-    }
-  }
-  return act;
+// act = swiglu(gate, up) of output chunk c (gate chunk c, up chunk c + 2), zeros in rows without data.
+__device__ __forceinline__ ChunkPairs swiglu_chunk(const float* acc, int c, const EpilogueRows& rows,
+                                                   SwigluClamp clamp) {
+  return chunk_pairs(c, rows, [&](int i) {
+    return pack_bf16x2(swiglu(acc[i], acc[i + kUpOffset], clamp), swiglu(acc[i + 1], acc[i + 1 + kUpOffset], clamp));
+  });
 }
 
 // dgrad of chunk c from g = dy @ w_down^T (acc) and the saved gate/up: d_gate, d_up (zeros in rows without data,
@@ -512,7 +517,7 @@ __device__ __forceinline__ void swiglu_dgrad_chunk(const float* acc, const Saved
 
 template <Mode kMode, int kBlockN, typename OutT>
 __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p, const Tile& tile, bool has_data,
-                                         const float* acc, const float* acc_up, int consumer, int warp, int lane,
+                                         const float* acc, int consumer, int warp, int lane,
                                          StagedStore& staged) {
   const EpilogueRows rows = epilogue_rows<kMode, OutT>(p, tile, has_data, consumer, warp, lane);
   const int col_in_chunk = 2 * (lane & 3);
@@ -523,24 +528,27 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     if constexpr (kMode == Mode::kTgmm) row += static_cast<int64_t>(tile.group) * p.m_extent;
     return static_cast<OutT*>(base) + row * p.n;
   };
-  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
-    const int32_t col0 = tile.n0 + 64 * c;
-    if (rows.staged) {
-      if constexpr (kMode == Mode::kTgmm) {
-        staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
-      } else {
-        staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
-      }
-      return;
-    }
-    uint16_t* out = reinterpret_cast<uint16_t*>(out_rows(o));
+  // Chunk c of output o stored from registers: pair_at(h, jj) is what goes to fragment row h, columns
+  // 8 jj + 2(l%4) + {0,1} of the chunk (a bf16x2 word or a float2).
+  auto store_from_registers = [&](int o, int c, auto pair_at) {
+    using Pair = decltype(pair_at(0, 0));
+    OutT* out = out_rows(o) + tile.n0 + 64 * c + col_in_chunk;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!rows.written[h]) continue;
-      const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
+      const int64_t line = fragment_line(warp, lane, h);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<uint32_t*>(out + line * p.n + col0 + 8 * jj + col_in_chunk) = pairs.v[2 * jj + h];
+      for (int jj = 0; jj < 8; ++jj) *reinterpret_cast<Pair*>(out + line * p.n + 8 * jj) = pair_at(h, jj);
+    }
+  };
+  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
+    const int32_t col0 = tile.n0 + 64 * c;
+    if (!rows.staged) {
+      store_from_registers(o, c, [&](int h, int jj) { return pairs.v[2 * jj + h]; });
+    } else if constexpr (kMode == Mode::kTgmm) {
+      staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
+    } else {
+      staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
     }
   };
 
@@ -550,32 +558,24 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
   if constexpr (kMode == Mode::kSwigluDgrad) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (rows.data[h]) weights[h] = p.row_weights[rows.first + warp * 16 + (lane >> 2) + 8 * h];
+      if (rows.data[h]) weights[h] = p.row_weights[rows.first + fragment_line(warp, lane, h)];
   }
 #pragma unroll
   for (int c = 0; c < kBlockN / 64; ++c) {
     if (tile.n0 + 64 * c >= p.n) break;
     if constexpr (sizeof(OutT) == 4) {  // gmm or tgmm to float32: from registers
-      OutT* out = out_rows(0);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!rows.written[h]) continue;
-        const int64_t line = warp * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int i = 4 * (8 * c + jj) + 2 * h;
-          *reinterpret_cast<float2*>(out + line * p.n + tile.n0 + 64 * c + 8 * jj + col_in_chunk) =
-              rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
-        }
-      }
+      store_from_registers(0, c, [&](int h, int jj) {
+        const int i = 4 * (8 * c + jj) + 2 * h;
+        return rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
+      });
     } else if constexpr (kMode == Mode::kGmm || kMode == Mode::kTgmm) {
       emit(0, c, pack_chunk(acc, c, rows));
     } else if constexpr (kMode == Mode::kSwiglu) {
-      emit(0, c, p.clamp.active() ? swiglu_chunk(acc, acc_up, c, rows, p.clamp)
-                                  : swiglu_chunk(acc, acc_up, c, rows, SwigluClamp{0.0f}));
+      emit(0, c, p.clamp.active() ? swiglu_chunk(acc, c, rows, p.clamp)
+                                  : swiglu_chunk(acc, c, rows, SwigluClamp{0.0f}));
       if (p.out2 != nullptr) {
         emit(1, c, pack_chunk(acc, c, rows));
-        emit(2, c, pack_chunk(acc_up, c, rows));
+        emit(2, c, pack_chunk(acc, c + kUpOffset / 32, rows));
       }
     } else {  // kSwigluDgrad
       const SavedGateUp saved = load_saved_gate_up(p, tile, rows, c, warp, lane);
@@ -596,7 +596,7 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
       float sum = row_partial[h];
       sum += __shfl_xor_sync(0xFFFFFFFF, sum, 1);
       sum += __shfl_xor_sync(0xFFFFFFFF, sum, 2);
-      const int64_t row = static_cast<int64_t>(rows.first) + warp * 16 + (lane >> 2) + 8 * h;
+      const int64_t row = static_cast<int64_t>(rows.first) + fragment_line(warp, lane, h);
       if (rows.written[h] && (lane & 3) == 0)
         p.row_weight_partials[static_cast<int64_t>(tile.n_block) * p.layout.rows + row] = sum;
     }
@@ -650,49 +650,55 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int lane = threadIdx.x % 32;
   StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
                      threadIdx.x % 128 == 0};
-  constexpr int kAccN = kMode == Mode::kSwiglu ? 64 : kBlockN / 2;
-  float acc[kAccN];
-  float acc_up[kMode == Mode::kSwiglu ? 64 : 1];
+  float acc[kAccumulators];
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
   for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
-    int32_t steps = scheduler.k_steps(p, tile);
-    for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-      uint32_t stage = it % kStages;
+    const int32_t steps = scheduler.k_steps(p, tile);
+    // Waits for k step ks's stage (tgmm: and fixes it up) and returns its address.
+    auto acquire = [&](int32_t ks) {
+      const uint32_t stage = it % kStages;
       TgmmScales scales;
       if constexpr (kMode == Mode::kTgmm) scales = tgmm_scales(p, tile, ks, consumer_thread);
       wait_barrier(&full[stage], (it / kStages) & 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
-      uint8_t* b_smem = a_smem + kABytes;
-      if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, scales, a_smem, b_smem, consumer_thread);
-      uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem + consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes));
-      uint32_t b_addr = cute::cast_smem_ptr_to_uint(b_smem);
-      fence_accumulators<kMode>(acc, acc_up);
-      cute::warpgroup_arrive();
+      if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, scales, a_smem, a_smem + kABytes, consumer_thread);
+      return a_smem;
+    };
+    if (scheduler.consumer_has_rows(p, tile, consumer)) {
+      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+        uint8_t* a_smem = acquire(ks);
+        const int a_offset = consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes);  // the consumer's 64 rows
+        const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem + a_offset);
+        const uint32_t b_addr = cute::cast_smem_ptr_to_uint(a_smem + kABytes);
+        fence_accumulators(acc);
+        cute::warpgroup_arrive();
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        uint64_t desc_a = smem_descriptor(a_addr + kk * k16_advance(kAMn), kAMn);
-        bool accumulate = ks > 0 || kk > 0;
-        if constexpr (kMode == Mode::kSwiglu) {
-          wgmma<128, false, true>(desc_a, smem_descriptor(b_addr + kk * k16_advance(true), true), acc, accumulate);
-          wgmma<128, false, true>(desc_a, smem_descriptor(b_addr + 2 * kSubTileBytes + kk * k16_advance(true), true),
-                                  acc_up, accumulate);
-        } else {
-          wgmma<256, kAMn, kBMnMajor>(desc_a, smem_descriptor(b_addr + kk * k16_advance(kBMnMajor), kBMnMajor), acc,
-                                      accumulate);
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          const uint64_t desc_a = smem_descriptor(a_addr + kk * k16_advance(kAMn), kAMn);
+          const uint64_t desc_b = smem_descriptor(b_addr + kk * k16_advance(kBMnMajor), kBMnMajor);
+          wgmma<kAMn, kBMnMajor>(desc_a, desc_b, acc, ks > 0 || kk > 0);
         }
+        cute::warpgroup_commit_batch();
+        // Keep this step's wgmma in flight while releasing the previous step's stage.
+        cute::warpgroup_wait<1>();
+        fence_accumulators(acc);
+        if (ks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
       }
-      cute::warpgroup_commit_batch();
-      // Keep this step's wgmma in flight while releasing the previous step's stage.
-      cute::warpgroup_wait<1>();
-      fence_accumulators<kMode>(acc, acc_up);
-      if (ks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc);
+      if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
+    } else {
+      // No data in this consumer's 64 rows (they are written as zeros): it only takes part in the stage hand-offs,
+      // and the tensor cores serve the other consumer alone. A separate loop keeps the wgmma loop above free of
+      // branches, which ptxas would otherwise answer by waiting for every wgmma before issuing the next.
+      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+        acquire(ks);
+        if (lane == 0) release_stage<kCluster>(&empty[it % kStages]);
+      }
     }
-    cute::warpgroup_wait<0>();
-    fence_accumulators<kMode>(acc, acc_up);
-    if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
-    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, acc_up, consumer, warp, lane, staged);
+    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
   }
   staged.drain();
 }
