@@ -1,8 +1,9 @@
 """The kittens backend of `moe_ffn`: the routed-expert MoE layer as a pipeline of fused kernels, with a custom VJP.
 
 Forward (kernels in order; a jk_* target each):
-  schedule (jk_schedule, align = grouped_matmul.ROW_ALIGN) -> gather tokens into expert-major rows (jk_moe_gather)
-  -> gate/up grouped GEMM with SwiGLU in the epilogue (jk_gmm_swiglu) -> down grouped GEMM (jk_gmm)
+  schedule (jk_schedule, align = grouped_matmul.ROW_ALIGN) -> the token of each expert-major row (an XLA scatter)
+  -> gate/up grouped GEMM reading its rows straight from the tokens, SwiGLU in the epilogue (jk_gmm_swiglu)
+  -> down grouped GEMM (jk_gmm)
   -> weighted top-k combine back to tokens (jk_moe_combine: float32, fixed slot order, no atomics).
 Shared experts run beside the routed ones as one-group GEMMs over the tokens themselves (every token is routed to
 them with weight 1 in token order, so they need no gather): jk_gmm_swiglu + jk_gmm, and their output enters the
@@ -82,9 +83,9 @@ class _Layout:
   def one_group(cls, num_rows):
     return cls(jnp.array([0, num_rows], jnp.int32), jnp.array([num_rows], jnp.int32), num_rows)
 
-  def gmm_swiglu(self, x_rows, w_gate, w_up, limit, save):
-    return grouped_matmul.gmm_swiglu(x_rows, w_gate, w_up, self.offsets, self.sizes, swiglu_limit=limit,
-                                     save_preactivations=save)
+  def gmm_swiglu(self, x, w_gate, w_up, limit, save, row_tokens=None):
+    return grouped_matmul.gmm_swiglu(x, w_gate, w_up, self.offsets, self.sizes, row_tokens=row_tokens,
+                                     swiglu_limit=limit, save_preactivations=save)
 
   def gmm(self, lhs, rhs, **kwargs):
     return grouped_matmul.gmm(lhs, rhs, self.offsets, self.sizes, **kwargs)
@@ -110,9 +111,12 @@ def _num_rows(ids, num_experts):
   return routing.num_schedule_rows(ids.size, num_experts, grouped_matmul.ROW_ALIGN)
 
 
-def _experts_forward(layout, x_rows, w_gate, w_up, w_down, limit, save):
-  """SwiGLU experts over rows -> (out_rows [R, H] bf16, (gate, up) [R, I] bf16 each when ``save``, else None)."""
-  hidden = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, save)
+def _experts_forward(layout, x, w_gate, w_up, w_down, limit, save, row_tokens=None):
+  """SwiGLU experts over rows -> (out_rows [R, H] bf16, (gate, up) [R, I] bf16 each when ``save``, else None).
+
+  x: [R, H] rows, or [T, H] tokens with row_tokens [R] (the row -> token map the gate/up GEMM reads through).
+  """
+  hidden = layout.gmm_swiglu(x, w_gate, w_up, limit, save, row_tokens)
   act, preactivations = (hidden[0], hidden[1:]) if save else (hidden, None)
   return layout.gmm(act, w_down), preactivations
 
@@ -148,8 +152,8 @@ def _forward(x, weights, ids, w_gate, w_up, w_down, shared_experts, limit, save)
   """y [T, H] and what the backward keeps: (schedule, routed (gate, up) or None, shared (gate, up) or None)."""
   sched = routing.schedule(ids, w_gate.shape[0], align=grouped_matmul.ROW_ALIGN, backend="kittens")
   layout = _Layout.of_schedule(sched)
-  x_rows = permute.gather_rows(x, sched, _num_rows(ids, w_gate.shape[0]))
-  out_rows, preactivations = _experts_forward(layout, x_rows, w_gate, w_up, w_down, limit, save)
+  row_tokens = permute.row_tokens(sched.rows, _num_rows(ids, w_gate.shape[0]))
+  out_rows, preactivations = _experts_forward(layout, x, w_gate, w_up, w_down, limit, save, row_tokens)
   shared_y, shared_preactivations = None, None
   if shared_experts is not None:
     shared_y, shared_preactivations = _experts_forward(_Layout.one_group(x.shape[0]), x, *_stacked(shared_experts),

@@ -131,14 +131,17 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
                              vmap_method="sequential", transpose_rhs=bool(transpose_rhs))
 
 
-def gmm_swiglu(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: jax.Array,
-               group_sizes: jax.Array, *, swiglu_limit: float | None = None, save_preactivations: bool = False):
+def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array,
+               *, row_tokens: jax.Array | None = None, swiglu_limit: float | None = None,
+               save_preactivations: bool = False):
   """Gate and up grouped GEMMs with SwiGLU fused into the epilogue.
 
   Args:
-    x_rows: [R, H] bf16 expert-major rows.
+    x: [R, H] bf16 expert-major rows, or with ``row_tokens`` [T, H] bf16 tokens.
     w_gate, w_up: [G, H, I] bf16.
     group_offsets: [G+1] int32; group_sizes: [G] int32 (see the module docstring).
+    row_tokens: optional [R] int32 token of each row: row r's lhs is ``x[row_tokens[r]]`` (zeros for a token outside
+      [0, T)), read by the kernel itself, so the gathered [R, H] rows are never written (`permute.row_tokens`).
     swiglu_limit: optional clamp, gate to <= limit and up to [-limit, limit], before ``silu(gate) * up``.
     save_preactivations: also return the unclamped gate and up products (for the backward).
 
@@ -146,25 +149,32 @@ def gmm_swiglu(x_rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offs
     act [R, I] bf16 = swiglu(x_rows @ w_gate[g], x_rows @ w_up[g]) computed from the float32 products, or
     (act, gate [R, I] bf16, up [R, I] bf16) when ``save_preactivations``. Padding rows are 0.
   """
-  _check_array("x_rows", x_rows, 2)
+  _check_array("x", x, 2)
   _check_array("w_gate", w_gate, 3)
   _check_array("w_up", w_up, 3)
   if w_up.shape != w_gate.shape:
     raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
   num_groups, hidden, inner = w_gate.shape
-  if x_rows.shape[1] != hidden:
-    raise ValueError(f"x_rows must have H={hidden} columns (w_gate is [G, H, I]), got shape {tuple(x_rows.shape)}")
+  if x.shape[1] != hidden:
+    raise ValueError(f"x must have H={hidden} columns (w_gate is [G, H, I]), got shape {tuple(x.shape)}")
   _check_feature("H", hidden)
   _check_feature("I", inner)
   _check_groups(group_offsets, group_sizes, num_groups)
   limit = _limit_attr(swiglu_limit)
-  rows = x_rows.shape[0]
+  if row_tokens is None:
+    rows = x.shape[0]
+    row_tokens = jnp.zeros((0,), jnp.int32)
+  else:
+    _check_array("row_tokens", row_tokens, 1, (jnp.int32,))
+    rows = row_tokens.shape[0]
+    if rows == 0:
+      raise ValueError("row_tokens must have at least one row (leave it None for no rows)")
   saved_rows = rows if save_preactivations else 0
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16))
-  act, gate, up = _extension.ffi_call("jk_gmm_swiglu", out_types, x_rows, w_gate, w_up, group_offsets, group_sizes,
-                                      vmap_method="sequential", swiglu_limit=limit)
+  act, gate, up = _extension.ffi_call("jk_gmm_swiglu", out_types, x, row_tokens, w_gate, w_up, group_offsets,
+                                      group_sizes, vmap_method="sequential", swiglu_limit=limit)
   return (act, gate, up) if save_preactivations else act
 
 

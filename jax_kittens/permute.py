@@ -1,4 +1,4 @@
-"""Token <-> expert-major row permutations of the fused MoE pipeline: `gather_rows` and `combine`.
+"""Token <-> expert-major row permutations of the fused MoE pipeline: `gather_rows`, `combine` and `row_tokens`.
 
 Row layout: a `jax_kittens.Schedule` sends entry (t, j) of a [T, k] routing to row ``rows[t, j]`` of [R, H]
 expert-major buffers (``-1``: nowhere); expert e's data rows are ``[expert_offsets[e], expert_offsets[e] +
@@ -36,6 +36,11 @@ def _check_slots(name, x, slots_shape, dtype):
     raise TypeError(f"{name} must be {jnp.dtype(dtype)}, got {x.dtype}")
 
 
+def _check_num_rows(num_rows):
+  if not isinstance(num_rows, int | np.integer) or num_rows < 0 or num_rows >= 2**31:
+    raise ValueError(f"num_rows must be an int in [0, 2^31), got {num_rows!r}")
+
+
 def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax.Array | None = None,
                 poison_outputs: bool = False):
   """Tokens into expert-major rows: ``x_rows[rows[t, j]] = x[t]``; padding rows are 0.
@@ -59,8 +64,7 @@ def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax
   if counts.ndim != 1 or offsets.shape != (counts.shape[0] + 1,):
     raise ValueError(f"schedule must have tokens_per_expert [E] and expert_offsets [E+1], got "
                      f"{tuple(counts.shape)} and {tuple(offsets.shape)}")
-  if not isinstance(num_rows, int | np.integer) or num_rows < 0 or num_rows >= 2**31:
-    raise ValueError(f"num_rows must be an int in [0, 2^31), got {num_rows!r}")
+  _check_num_rows(num_rows)
   with_row_weights = weights is not None
   if with_row_weights:
     _check_slots("weights", weights, rows.shape, jnp.float32)
@@ -114,6 +118,23 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
   out_type = jax.ShapeDtypeStruct((num_tokens, hidden), values.dtype)
   return _extension.ffi_call("jk_moe_combine", out_type, values, rows, weights, addend, vmap_method="sequential",
                              poison_outputs=bool(poison_outputs))
+
+
+def row_tokens(rows: jax.Array, num_rows: int) -> jax.Array:
+  """The token of each expert-major row: ``out[rows[t, j]] = t``, -1 for padding rows.
+
+  rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] int32, the row -> token map with which
+  `grouped_matmul.gmm_swiglu` reads its rows straight from the tokens. One scatter of T*k indices (XLA).
+  """
+  _check_array("rows", rows, 2)
+  if rows.dtype != jnp.int32:
+    raise TypeError(f"rows must be int32, got {rows.dtype}")
+  _check_num_rows(num_rows)
+  num_tokens, top_k = rows.shape
+  tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, top_k))
+  # Slots placed nowhere (-1) go past the end, where mode="drop" discards them.
+  targets = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)
+  return jnp.full((num_rows,), -1, jnp.int32).at[targets.ravel()].set(tokens.ravel(), mode="drop")
 
 
 def slots_of_rows(row_values: jax.Array, rows: jax.Array) -> jax.Array:

@@ -137,6 +137,35 @@ def test_gmm_swiglu(limit):
   np.testing.assert_array_equal(f64(act_only), f64(act))
 
 
+def gathered_operands(rng, sizes, num_tokens, rows):
+  """row_tokens [rows] for the aligned layout of sizes: data rows take random tokens (one out of range, which reads
+  as zeros), padding rows -1 or junk; and the [rows] indices that gather x into the same rows (num_tokens: zeros)."""
+  offsets, _ = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  row_tokens = np.where(rng.random(rows) < 0.5, -1, rng.integers(0, 10 * num_tokens, rows)).astype(np.int32)
+  for _, r in data_rows_of(np.asarray(offsets), sizes):
+    row_tokens[r] = rng.integers(0, num_tokens)
+  first_data_row = data_rows_of(np.asarray(offsets), sizes)[0][1]
+  row_tokens[first_data_row] = num_tokens + 5
+  gather_index = np.where((row_tokens >= 0) & (row_tokens < num_tokens), row_tokens, num_tokens)
+  return jnp.asarray(row_tokens), gather_index
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_gmm_swiglu_gathered_equals_rows(save):
+  """row_tokens: the same bits as gmm_swiglu over the rows gathered beforehand (zeros for tokens out of range)."""
+  rng = np.random.default_rng(21)
+  sizes, rows, num_tokens = [70, 0, 200, 3], 600, 150
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  x = bf16(rng, num_tokens, 128)
+  w_gate, w_up = bf16(rng, 4, 128, 192, scale=0.1), bf16(rng, 4, 128, 192, scale=0.1)
+  row_tokens, gather_index = gathered_operands(rng, sizes, num_tokens, rows)
+  x_rows = jnp.concatenate([x, jnp.zeros((1, 128), x.dtype)])[gather_index]
+  run = functools.partial(gm.gmm_swiglu, save_preactivations=save, swiglu_limit=1.5)
+  for out, ref in zip(jax.tree.leaves(run(x, w_gate, w_up, offsets, group_sizes, row_tokens=row_tokens)),
+                      jax.tree.leaves(run(x_rows, w_gate, w_up, offsets, group_sizes))):
+    np.testing.assert_array_equal(f64(out), f64(ref))
+
+
 @pytest.mark.parametrize("limit", [None, 1.0])
 def test_gmm_swiglu_dgrad_matches_autodiff(limit):
   rng = np.random.default_rng(3)
@@ -252,6 +281,10 @@ def test_argument_errors():
     gm.gmm(x, w, offsets, sizes, rhs2=w)
   with pytest.raises(ValueError, match="swiglu_limit"):
     gm.gmm_swiglu(x, w, w, offsets, sizes, swiglu_limit=-1.0)
+  with pytest.raises(TypeError, match="row_tokens must be int32"):
+    gm.gmm_swiglu(x, w, w, offsets, sizes, row_tokens=jnp.zeros((4,), jnp.float32))
+  with pytest.raises(ValueError, match="row_tokens must have at least one row"):
+    gm.gmm_swiglu(x, w, w, offsets, sizes, row_tokens=jnp.zeros((0,), jnp.int32))
   with pytest.raises(ValueError, match="row_scale must have shape"):
     gm.tgmm(x, x, offsets, sizes, row_scale=jnp.ones((5,), jnp.float32))
   with pytest.raises(ValueError, match="backend"):
@@ -374,6 +407,31 @@ def test_gpu_swiglu_and_dgrad(limit, inner):
   d_up_ref = d_act * gate_c * sig * up_factor
   d_gate_ref = d_act * up_c * sig * (1 + gate_c * (1 - sig)) * gate_factor
   assert rel_err(d_gate, d_gate_ref) < 1e-2 and rel_err(d_up, d_up_ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", [False, True])
+def test_gpu_swiglu_gathered_equals_rows(save):
+  """The cp.async gather of the lhs gives the same bits as the TMA loads of rows gathered beforehand."""
+  rng = np.random.default_rng(22)
+  groups, hidden, inner, num_tokens = 16, 2048, 1216, 3000
+  sizes = rng.integers(0, 900, groups).astype(np.int32)
+  sizes[3] = 0
+  rows = int(((sizes + 127) // 128 * 128).sum()) + 100
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  x = bf16(rng, num_tokens, hidden)
+  w_gate, w_up = (bf16(rng, groups, hidden, inner, scale=4 * hidden ** -0.5) for _ in range(2))
+  row_tokens, gather_index = gathered_operands(rng, sizes, num_tokens, rows)
+  x_rows = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[gather_index]
+  fn = jax.jit(functools.partial(gm.gmm_swiglu, save_preactivations=save))
+  want = jax.tree.leaves(fn(x_rows, w_gate, w_up, offsets, group_sizes))
+  fn(x, w_gate, w_up, offsets, group_sizes, row_tokens=row_tokens)  # compile first
+  poison_device_memory(3 * rows * inner * 2)
+  got = jax.tree.leaves(fn(x, w_gate, w_up, offsets, group_sizes, row_tokens=row_tokens))
+  for out, ref in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  assert rel_err(want[0], swiglu64(gmm_gpu_reference(x_rows, w_gate, offsets, sizes),
+                                   gmm_gpu_reference(x_rows, w_up, offsets, sizes), None)) < 1e-2
 
 
 def gmm_gpu_reference(lhs, rhs, offsets, sizes):

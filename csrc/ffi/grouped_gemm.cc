@@ -115,14 +115,22 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::B
   return ffi::Error::Success();
 }
 
-ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
-                        ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_gate,
+                        ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
                         ffi::ResultBuffer<ffi::BF16> act, ffi::ResultBuffer<ffi::BF16> gate_out,
                         ffi::ResultBuffer<ffi::BF16> up_out, float swiglu_limit) {
   gg::SwigluShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), w_gate.dimensions(), w_up.dimensions(),
-                                          gate_out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
+                                          w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
+                                          offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  // The lhs row of buffer row r: x[r], or with row_tokens x[row_tokens[r]] (zeros for a token out of range).
+  const std::vector<uint16_t> zeros(s.hidden, 0);
+  auto lhs_row = [&](int64_t r) -> const uint16_t* {
+    if (!s.gathered) return x.typed_data() + r * s.hidden;
+    const int32_t token = row_tokens.typed_data()[r];
+    return token >= 0 && token < s.tokens ? x.typed_data() + token * s.hidden : zeros.data();
+  };
   SwigluClamp clamp{swiglu_limit};
   uint16_t* outputs[3] = {act->typed_data(), s.save_preactivations ? gate_out->typed_data() : nullptr,
                           s.save_preactivations ? up_out->typed_data() : nullptr};
@@ -134,7 +142,7 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
   for_each_tile_row<gg::kSwigluTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
-        const uint16_t* row = x.typed_data() + r * s.hidden;
+        const uint16_t* row = lhs_row(r);
         row_product(row, {w_gate.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,
                     gate.data());
         row_product(row, {w_up.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,

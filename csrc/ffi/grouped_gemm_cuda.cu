@@ -98,10 +98,10 @@ cudaLaunchConfig_t launch_config(unsigned grid, int cluster_size, cudaStream_t s
 
 // One persistent CTA per SM (cluster per co-resident group of SMs), at most one per tile. Clusters of two when the
 // n-block count is even: the scheduler then pairs the two n blocks of each (group, m block).
-template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
                                int64_t max_tiles) {
-  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster>;
+  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>;
   // Once per device (both cost more than a launch): the 4-stage ring's opt-in to more than the default 48 KB of
   // dynamic shared memory, then the count of co-resident clusters (the GPCs' SM counts can leave SMs over).
   constexpr int kMaxDevices = 64;
@@ -124,12 +124,15 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
   return ffi::Error::Success();
 }
 
-template <sm90::Mode kMode, bool kBMnMajor, typename OutT>
+// A gathered lhs is copied per CTA, so it runs without clusters.
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT, bool kGatherLhs = false>
 ffi::Error launch(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params, int64_t max_tiles,
                   int64_t n_blocks) {
   if (max_tiles <= 0) return ffi::Error::Success();
-  return n_blocks % 2 == 0 ? launch_with_cluster<kMode, kBMnMajor, OutT, 2>(stream, maps, params, max_tiles)
-                           : launch_with_cluster<kMode, kBMnMajor, OutT, 1>(stream, maps, params, max_tiles);
+  if (kGatherLhs || n_blocks % 2 != 0) {
+    return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGatherLhs>(stream, maps, params, max_tiles);
+  }
+  return launch_with_cluster<kMode, kBMnMajor, OutT, 2, false>(stream, maps, params, max_tiles);
 }
 
 // Upper bound on gmm-type tiles (the device computes the exact count): every pseudo-group may add a partial tile.
@@ -193,18 +196,23 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<
                        : launch<M::kGmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);
 }
 
-ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w_gate,
-                         ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                         ffi::ResultBuffer<ffi::BF16> act, ffi::ResultBuffer<ffi::BF16> gate_out,
-                         ffi::ResultBuffer<ffi::BF16> up_out, float swiglu_limit) {
+ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_tokens,
+                         ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets,
+                         ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> act,
+                         ffi::ResultBuffer<ffi::BF16> gate_out, ffi::ResultBuffer<ffi::BF16> up_out,
+                         float swiglu_limit) {
   gg::SwigluShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), w_gate.dimensions(), w_up.dimensions(),
-                                          gate_out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
+                                          w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
+                                          offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
+  // The gathered loads address x in 32-bit counts of 16-byte chunks.
+  JK_FFI_CHECK(s.tokens < (int64_t{1} << 31) && s.tokens * s.hidden / 8 < (int64_t{1} << 32),
+               "jk_gmm_swiglu: x [T, H] with row_tokens must have T < 2^31 and T * H < 2^35");
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps;
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
+  if (!s.gathered) JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
   sm90::Params p;
@@ -214,14 +222,21 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   p.out2 = s.save_preactivations ? gate_out->typed_data() : nullptr;
   p.out3 = s.save_preactivations ? up_out->typed_data() : nullptr;
   p.clamp = {swiglu_limit};
+  if (s.gathered) {
+    p.tokens = x.typed_data();
+    p.row_tokens = row_tokens.typed_data();
+    p.num_tokens = static_cast<int32_t>(s.tokens);
+  }
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   if (s.save_preactivations) {
     JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
     JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[2], p.out3, s.rows, s.inner));
   }
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kSwigluTileCols);
-  return launch<sm90::Mode::kSwiglu, true, uint16_t>(stream, maps, p, row_tile_bound(s.rows, s.groups, n_blocks),
-                                                      n_blocks);
+  int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
+  using M = sm90::Mode;
+  return s.gathered ? launch<M::kSwiglu, true, uint16_t, true>(stream, maps, p, tiles, n_blocks)
+                    : launch<M::kSwiglu, true, uint16_t>(stream, maps, p, tiles, n_blocks);
 }
 
 ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,

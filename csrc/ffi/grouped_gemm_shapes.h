@@ -31,25 +31,32 @@ inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_
   return ffi::Error::Success();
 }
 
-// jk_gmm_swiglu: x_rows [R, H] x w_gate, w_up [G, H, I]; gate/up outputs [R, I] or [0, I] when not saved.
+// jk_gmm_swiglu: x [R, H] rows, or x [T, H] tokens with row_tokens [R] (gathered); w_gate, w_up [G, H, I]; act
+// [R, I]; gate/up outputs [R, I] or [0, I] when not saved.
 struct SwigluShape {
-  int64_t rows, hidden, inner, groups;
-  bool save_preactivations;
+  int64_t rows, tokens, hidden, inner, groups;
+  bool gathered, save_preactivations;
 };
 
-inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w_gate,
-                               ffi::Span<const int64_t> w_up, ffi::Span<const int64_t> saved, int64_t offsets_count,
-                               int64_t sizes_count, SwigluShape* shape) {
-  JK_FFI_CHECK(x.size() == 2 && w_gate.size() == 3 && w_up.size() == 3 && saved.size() == 2,
-               "jk_gmm_swiglu: x_rows 2-D, weights 3-D");
+inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_count, ffi::Span<const int64_t> w_gate,
+                               ffi::Span<const int64_t> w_up, ffi::Span<const int64_t> act,
+                               ffi::Span<const int64_t> saved, int64_t offsets_count, int64_t sizes_count,
+                               SwigluShape* shape) {
+  JK_FFI_CHECK(x.size() == 2 && w_gate.size() == 3 && w_up.size() == 3 && act.size() == 2 && saved.size() == 2,
+               "jk_gmm_swiglu: x, act, gate, up 2-D; weights 3-D");
   JK_FFI_CHECK(w_gate[0] == w_up[0] && w_gate[1] == w_up[1] && w_gate[2] == w_up[2],
                "jk_gmm_swiglu: w_gate and w_up must have one shape");
-  JK_FFI_CHECK(x[1] == w_gate[1], "jk_gmm_swiglu: x_rows columns must be H");
+  JK_FFI_CHECK(x[1] == w_gate[1], "jk_gmm_swiglu: x columns must be H");
   JK_FFI_CHECK(offsets_count == w_gate[0] + 1 && sizes_count == w_gate[0],
                "jk_gmm_swiglu: group_offsets [G+1], group_sizes [G]");
-  JK_FFI_CHECK((saved[0] == x[0] || saved[0] == 0) && saved[1] == w_gate[2],
+  const int64_t rows = act[0];
+  const bool gathered = row_tokens_count != 0;
+  JK_FFI_CHECK(gathered ? row_tokens_count == rows : x[0] == rows,
+               "jk_gmm_swiglu: row_tokens must be [R] (x [T, H] tokens), or empty with x [R, H] rows");
+  JK_FFI_CHECK(act[1] == w_gate[2], "jk_gmm_swiglu: act must be [R, I]");
+  JK_FFI_CHECK((saved[0] == rows || saved[0] == 0) && saved[1] == w_gate[2],
                "jk_gmm_swiglu: saved gate/up must be [R, I] or [0, I]");
-  *shape = {x[0], w_gate[1], w_gate[2], w_gate[0], saved[0] != 0};
+  *shape = {rows, x[0], w_gate[1], w_gate[2], w_gate[0], gathered, saved[0] != 0};
   return ffi::Error::Success();
 }
 
@@ -115,6 +122,7 @@ template <typename Binding>
 auto gmm_swiglu_signature(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::S32>>()

@@ -17,6 +17,8 @@
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
 //    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
+//  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): the whole
+//    producer warpgroup then copies the lhs lines with cp.async (see "Gathered lhs"), without clusters.
 //  - Every mbarrier wait has a 20 s deadline (then __trap), so a broken pipeline fails the launch instead of hanging.
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
@@ -79,6 +81,11 @@ struct Params {
   float* row_weight_partials;  // dgrad: [n blocks, R]
   const float* row_scale;      // tgmm (or null)
   SwigluClamp clamp;
+  // swiglu with a gathered lhs: row r of the lhs is token row_tokens[r] of tokens [num_tokens, K] (a token outside
+  // [0, num_tokens) reads as zeros).
+  const uint16_t* tokens;
+  const int32_t* row_tokens;  // [R]
+  int32_t num_tokens;
 };
 
 struct TensorMaps {
@@ -231,11 +238,10 @@ __device__ __forceinline__ void load_lhs_half(const CUtensorMap* map, uint64_t* 
   }
 }
 
-// The stage expects all 48 KB; in a cluster this CTA loads lhs half `rank` and its peer the other.
-template <Mode kMode, bool kBMnMajor, int kCluster>
-__device__ __forceinline__ void load_stage(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
-                                           uint32_t rank, uint8_t* a_smem, uint8_t* b_smem, uint64_t* full) {
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kStageBytes);
+// The lhs of k step ks by TMA: in a cluster this CTA loads lhs half `rank` and its peer the other.
+template <Mode kMode, int kCluster>
+__device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Tile& tile, int32_t ks, uint32_t rank,
+                                         uint8_t* a_smem, uint64_t* full) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (kCluster > 1 && half != static_cast<int>(rank)) continue;
@@ -247,6 +253,12 @@ __device__ __forceinline__ void load_stage(const TensorMaps& maps, const Params&
       load_lhs_half<kCluster>(&maps.a, full, a_smem + half * kSubTileBytes, ks * kBlockK, tile.row0 + 64 * half);
     }
   }
+}
+
+// The rhs of k step ks by TMA.
+template <Mode kMode, bool kBMnMajor>
+__device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
+                                         uint8_t* b_smem, uint64_t* full) {
   if constexpr (kMode == Mode::kTgmm) {
     int32_t row = tile.row0 + ks * kBlockK;
     for (int j = 0; j < 4; ++j)
@@ -269,6 +281,58 @@ __device__ __forceinline__ void load_stage(const TensorMaps& maps, const Params&
       cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Gathered lhs (gmm_swiglu straight from the tokens): Hopper's TMA cannot follow a row map, so the producer
+// warpgroup's 128 threads copy a stage's 128 lhs lines (64 K values of one token each) with cp.async, 16 bytes per
+// copy, to where the 128-byte swizzle puts them: the layout a TMA box gives. Thread t copies chunk t % 8 of lines
+// t / 8 + 16 i, so one warp instruction moves four whole lines. The copies of each thread arrive on the stage's
+// full barrier when they land (noinc: the barrier's count includes the 128 threads); the rhs still comes by TMA
+// from thread 0, whose arrival carries the transaction bytes.
+
+constexpr int kGatherThreads = 128;
+constexpr int kGatherLinesPerThread = kBlockM * (kLineBytes / 16) / kGatherThreads;  // 8
+constexpr int kFullArrivalsGathered = 1 + kGatherThreads;
+
+// Where each of the thread's lines of a tile starts in x, in 16-byte chunks (32 bits: the producer has 40
+// registers), and which lines read as zeros: rows without data and tokens out of range.
+struct GatherLines {
+  uint32_t first_chunk[kGatherLinesPerThread];
+  uint32_t zero_mask;  // bit i: line i is zeros
+};
+
+__device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile& tile, int thread) {
+  GatherLines lines;
+  lines.zero_mask = 0;
+  const uint32_t row_chunks = static_cast<uint32_t>(p.k_steps1) * (kBlockK / 8);
+#pragma unroll
+  for (int i = 0; i < kGatherLinesPerThread; ++i) {
+    const int line = thread / 8 + 16 * i;
+    const int32_t token = line < tile.valid ? p.row_tokens[tile.row0 + line] : -1;
+    const bool zeros = token < 0 || token >= p.num_tokens;
+    lines.first_chunk[i] = zeros ? 0u : static_cast<uint32_t>(token) * row_chunks;
+    lines.zero_mask |= static_cast<uint32_t>(zeros) << i;
+  }
+  return lines;
+}
+
+__device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& lines, int32_t ks, int thread,
+                                           uint8_t* a_smem, uint64_t* full) {
+  const int chunk = thread % 8;
+  const uint4* tokens = reinterpret_cast<const uint4*>(p.tokens) + ks * (kBlockK / 8) + chunk;
+  const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
+#pragma unroll
+  for (int i = 0; i < kGatherLinesPerThread; ++i) {
+    const int line = thread / 8 + 16 * i;
+    const uint32_t dst = a_addr + line * kLineBytes + ((chunk ^ (line & 7)) << 4);
+    const uint32_t src_bytes = (lines.zero_mask >> i) & 1 ? 0 : 16;  // a source size of 0 fills with zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(tokens + lines.first_chunk[i]),
+                 "r"(src_bytes)
+                 : "memory");
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(full))
+               : "memory");
 }
 
 // Two floats -> bf16x2 (lo in the low half), round to nearest even, in one instruction.
@@ -617,29 +681,43 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
-template <Mode kMode, bool kBMnMajor, int kCluster>
+// thread: 0 (TMA loads only) or, with a gathered lhs, 0..127 (thread 0 also issues the rhs loads).
+template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
-                                         uint64_t* empty) {
+                                         uint64_t* empty, int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
-  cute::prefetch_tma_descriptor(&maps.a);
-  cute::prefetch_tma_descriptor(&maps.b);
-  cute::prefetch_tma_descriptor(&maps.b2);
+  if (thread == 0) {
+    if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
+    cute::prefetch_tma_descriptor(&maps.b);
+    cute::prefetch_tma_descriptor(&maps.b2);
+  }
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
   for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
-    int32_t steps = scheduler.k_steps(p, tile);
+    const int32_t steps = scheduler.k_steps(p, tile);
+    if (steps == 0) continue;
+    GatherLines lines;
+    if constexpr (kGatherLhs) lines = gather_lines(p, tile, thread);
     for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-      uint32_t stage = it % kStages;
+      const uint32_t stage = it % kStages;
       wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
-      load_stage<kMode, kBMnMajor, kCluster>(maps, p, tile, ks, rank, a_smem, a_smem + kABytes, &full[stage]);
+      if (thread == 0) {
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage],
+                                                                       kGatherLhs ? kBBytes : kStageBytes);
+        if constexpr (!kGatherLhs) load_lhs<kMode, kCluster>(maps, tile, ks, rank, a_smem, &full[stage]);
+        load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
+      }
+      if constexpr (kGatherLhs) gather_lhs(p, lines, ks, thread, a_smem, &full[stage]);
     }
   }
+  // Copies still in flight would arrive on the barriers of a CTA this thread no longer belongs to.
+  if constexpr (kGatherLhs) asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
                                          uint64_t* full, uint64_t* empty) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
@@ -663,6 +741,8 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       if constexpr (kMode == Mode::kTgmm) scales = tgmm_scales(p, tile, ks, consumer_thread);
       wait_barrier(&full[stage], (it / kStages) & 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
+      // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
+      if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
       if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, scales, a_smem, a_smem + kABytes, consumer_thread);
       return a_smem;
     };
@@ -706,8 +786,10 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
-template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster>
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ TensorMaps maps, Params p) {
+  static_assert(!kGatherLhs || (kMode == Mode::kSwiglu && kCluster == 1),
+                "a gathered lhs is per CTA (no multicast) and only gmm_swiglu takes one");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* staging = smem + kStages * kStageBytes;
@@ -716,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterBarrier::init(&full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? kFullArrivalsGathered : 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
     }
     cutlass::arch::fence_barrier_init();
@@ -730,10 +812,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster>(maps, p, smem, full, empty);
+    if (kGatherLhs || threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster, kGatherLhs>(maps, p, smem, full, empty,
+                                                                                          threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    consume<kMode, kBMnMajor, OutT, kCluster>(maps, p, smem, staging, full, empty);
+    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty);
   }
   // Until its last k step the peer still multicasts into this CTA and arrives on its empty barriers: neither CTA of
   // a cluster exits before both are done.
