@@ -13,7 +13,7 @@ Backward (`jax.custom_vjp`):
   gather x and dy into rows, with the router weights scattered to rows (jk_moe_gather x2)
   [recompute=True: gate/up again with jk_gmm_swiglu]
   -> down dgrad with the SwiGLU backward and the router-weight gradient in its epilogue (jk_gmm_swiglu_dgrad)
-  -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm, transpose_rhs, rhs2)
+  -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm with lhs2, rhs2; nothing concatenated)
   -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
   weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down with the router weights as row
   scale), and d(router weights) gathered from the rows back to [T, k]. The shared experts' weight gradients
@@ -136,7 +136,7 @@ def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down
     act = reference.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit).astype(gate.dtype)
   dgrad_weights = jnp.ones(dy_rows.shape[:1], jnp.float32) if row_weights is None else row_weights
   d_gate, d_up, d_row_weights = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
-  d_x_rows = layout.gmm(jnp.concatenate([d_gate, d_up], axis=1), w_gate, transpose_rhs=True, rhs2=w_up)
+  d_x_rows = layout.gmm(d_gate, w_gate, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
   d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
   d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
   d_w_down = layout.tgmm(act, dy_rows, w_down.dtype, row_scale=row_weights)

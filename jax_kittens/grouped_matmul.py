@@ -90,17 +90,19 @@ def _cotangent_for(cotangent, primal):
 # The FFI ops.
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
-        transpose_rhs: bool = False, rhs2: jax.Array | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
-  """Grouped GEMM over row groups: ``out[r] = lhs[r] @ rhs[g]`` for the data rows r of group g.
+        transpose_rhs: bool = False, lhs2: jax.Array | None = None, rhs2: jax.Array | None = None,
+        out_dtype=jnp.bfloat16) -> jax.Array:
+  """Grouped GEMM over row groups: ``out[r] = lhs[r] @ rhs[g] (+ lhs2[r] @ rhs2[g])`` for the data rows r of group g.
 
   Args:
-    lhs: [R, K] bf16 rows (K = K1 + K2 when ``rhs2`` is given).
+    lhs: [R, K1] bf16 rows.
     rhs: [G, K1, N] bf16, or [G, N, K1] when ``transpose_rhs`` (then ``out[r] = lhs[r] @ rhs[g].T``).
     group_offsets: [G+1] int32 first row of each group (nondecreasing; the last entry ends the groups).
     group_sizes: [G] int32 data rows of each group (<= its extent).
     transpose_rhs: rhs (and rhs2) are [G, N, K*] (the dgrad of a forward GEMM with the same weights).
-    rhs2: optional second weight in rhs's layout, [G, K2, N] or [G, N, K2]: lhs[:, :K1] contracts with rhs and
-      lhs[:, K1:] with rhs2 (``d_gate @ W_gate.T + d_up @ W_up.T`` without concatenating the weights).
+    lhs2, rhs2: optional second product, given together: lhs2 [R, K2] bf16 and rhs2 in rhs's layout, [G, K2, N] or
+      [G, N, K2]. Both products accumulate in one float32 sum (``d_gate @ W_gate.T + d_up @ W_up.T`` without
+      concatenating either operand).
     out_dtype: bfloat16 (default) or float32.
 
   Returns:
@@ -110,24 +112,29 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
   _check_array("rhs", rhs, 3)
   num_groups = rhs.shape[0]
   n, k1 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+  if (lhs2 is None) != (rhs2 is None):
+    raise ValueError("lhs2 and rhs2 must be given together")
   if rhs2 is None:
+    lhs2 = jnp.zeros((lhs.shape[0], 0), jnp.bfloat16)
     rhs2 = jnp.zeros((num_groups, n, 0) if transpose_rhs else (num_groups, 0, n), jnp.bfloat16)
-    k2 = 0
   else:
+    _check_array("lhs2", lhs2, 2)
     _check_array("rhs2", rhs2, 3)
     n2, k2 = (rhs2.shape[1], rhs2.shape[2]) if transpose_rhs else (rhs2.shape[2], rhs2.shape[1])
     if rhs2.shape[0] != num_groups or n2 != n:
       raise ValueError(f"rhs2 must match rhs in groups and output dim ({num_groups}, N={n}), got shape "
                        f"{tuple(rhs2.shape)}")
     _check_feature("rhs2 contraction dim K2", k2)
+    if lhs2.shape != (lhs.shape[0], k2):
+      raise ValueError(f"lhs2 must be [R={lhs.shape[0]}, K2={k2}], got shape {tuple(lhs2.shape)}")
   _check_feature("rhs contraction dim K1", k1)
   _check_feature("output dim N", n)
-  if lhs.shape[1] != k1 + k2:
-    raise ValueError(f"lhs must have K1 + K2 = {k1 + k2} columns, got shape {tuple(lhs.shape)}")
+  if lhs.shape[1] != k1:
+    raise ValueError(f"lhs must have K1 = {k1} columns, got shape {tuple(lhs.shape)}")
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)
-  return _extension.ffi_call("jk_gmm", out_type, lhs, rhs, rhs2, group_offsets, group_sizes,
+  return _extension.ffi_call("jk_gmm", out_type, lhs, lhs2, rhs, rhs2, group_offsets, group_sizes,
                              vmap_method="sequential", transpose_rhs=bool(transpose_rhs))
 
 

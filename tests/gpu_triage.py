@@ -103,9 +103,11 @@ def dgrad():
 
 
 def dx_rhs2():
-  lhs = jnp.concatenate([jax.device_put(state["d_gate"], gpu), jax.device_put(state["d_up"], gpu)], axis=1)
-  g, c = both(gm.gmm, lhs, layer["w_gate"], off, siz, transpose_rhs=True, rhs2=layer["w_up"])
-  report("gmm transposed + rhs2", g, c, off, siz)
+  def gmm_dx(d_gate, w_gate, offsets, sizes, d_up, w_up):
+    return gm.gmm(d_gate, w_gate, offsets, sizes, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
+
+  g, c = both(gmm_dx, state["d_gate"], layer["w_gate"], off, siz, state["d_up"], layer["w_up"])
+  report("gmm transposed + lhs2, rhs2", g, c, off, siz)
   g, c = both(gm.gmm, jax.device_put(state["d_gate"], gpu), layer["w_gate"], off, siz, transpose_rhs=True)
   report("gmm transposed, K=I only", g, c, off, siz)
 

@@ -46,12 +46,13 @@ def data_rows_of(offsets, sizes):
   return [(g, r) for g in range(len(sizes)) for r in range(int(offsets[g]), int(offsets[g]) + int(sizes[g]))]
 
 
-def gmm_oracle(lhs, rhs, offsets, sizes, transpose_rhs=False, rhs2=None):
+def gmm_oracle(lhs, rhs, offsets, sizes, transpose_rhs=False, lhs2=None, rhs2=None):
   lhs, rhs = f64(lhs), f64(rhs)
   if transpose_rhs:
     rhs = rhs.transpose(0, 2, 1)
   if rhs2 is not None:
     rhs2 = f64(rhs2)
+    lhs = np.concatenate([lhs, f64(lhs2)], axis=1)
     rhs = np.concatenate([rhs, rhs2.transpose(0, 2, 1) if transpose_rhs else rhs2], axis=1)
   out = np.zeros((lhs.shape[0], rhs.shape[2]))
   for g, (begin, size) in enumerate(zip(np.asarray(offsets)[:-1], np.asarray(sizes))):
@@ -111,11 +112,11 @@ def test_gmm_transpose_and_rhs2(transpose_rhs):
   rng = np.random.default_rng(1)
   sizes = [50, 0, 77]
   offsets, group_sizes = aligned_layout(sizes, 64, 256)
-  lhs = bf16(rng, 256, 192)
+  lhs, lhs2 = bf16(rng, 256, 128), bf16(rng, 256, 64)
   shape1, shape2 = ((3, 64, 128), (3, 64, 64)) if transpose_rhs else ((3, 128, 64), (3, 64, 64))
   rhs, rhs2 = bf16(rng, *shape1), bf16(rng, *shape2)
-  out = gm.gmm(lhs, rhs, offsets, group_sizes, transpose_rhs=transpose_rhs, rhs2=rhs2)
-  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs, rhs2)
+  out = gm.gmm(lhs, rhs, offsets, group_sizes, transpose_rhs=transpose_rhs, lhs2=lhs2, rhs2=rhs2)
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs, lhs2, rhs2)
   assert rel_err(out, ref) < BF16_TOL
 
 
@@ -277,8 +278,10 @@ def test_argument_errors():
     gm.gmm(x, w, sizes, sizes)
   with pytest.raises(ValueError, match="multiple of 64"):
     gm.gmm(x[:, :32], w[:, :32], offsets, sizes)
-  with pytest.raises(ValueError, match="lhs must have K1 \\+ K2"):
+  with pytest.raises(ValueError, match="lhs2 and rhs2 must be given together"):
     gm.gmm(x, w, offsets, sizes, rhs2=w)
+  with pytest.raises(ValueError, match="lhs2 must be"):
+    gm.gmm(x, w, offsets, sizes, lhs2=x[:5], rhs2=w)
   with pytest.raises(ValueError, match="swiglu_limit"):
     gm.gmm_swiglu(x, w, w, offsets, sizes, swiglu_limit=-1.0)
   with pytest.raises(TypeError, match="row_tokens must be int32"):
@@ -346,21 +349,26 @@ def poison_device_memory(num_bytes):
 
 # Output widths on the GPU: an odd number of 256-column blocks runs single CTAs, an even one clusters of two (the last
 # block here half full); bf16 outputs of full row tiles leave through TMA stores, the rest from registers.
+# With k2, a second product over another K range (lhs2, rhs2: the layer's dx).
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [768, 1408])
+@pytest.mark.parametrize("n,k2", [(768, 0), (1408, 0), (768, 512)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gpu_gmm_outputs_fully_written(transpose_rhs, n):
+def test_gpu_gmm_outputs_fully_written(transpose_rhs, n, k2):
   rng = np.random.default_rng(11)
   rows, k = 8192 + 77, 1024
   sizes = [1000, 0, 3000, 129, 0, 2000]
   offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
   lhs = bf16(rng, rows, k)
   rhs = bf16(rng, len(sizes), *((n, k) if transpose_rhs else (k, n)), scale=k ** -0.5)
+  second = {}
+  if k2:
+    second = dict(lhs2=bf16(rng, rows, k2),
+                  rhs2=bf16(rng, len(sizes), *((n, k2) if transpose_rhs else (k2, n)), scale=k2 ** -0.5))
   fn = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs))
-  fn(lhs, rhs, offsets, group_sizes).block_until_ready()  # compile first: compilation allocates too
+  fn(lhs, rhs, offsets, group_sizes, **second).block_until_ready()  # compile first: compilation allocates too
   poison_device_memory(rows * n * 2)
-  out = fn(lhs, rhs, offsets, group_sizes)
-  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs)
+  out = fn(lhs, rhs, offsets, group_sizes, **second)
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes, transpose_rhs, second.get("lhs2"), second.get("rhs2"))
   assert rel_err(out, ref) < 1e-2
   assert np.all(f64(out)[int(offsets[-1]):] == 0)
 

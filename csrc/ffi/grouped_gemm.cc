@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "ffi/ffi_util.h"
@@ -29,18 +30,21 @@ struct WeightView {
   }
 };
 
-// acc[0 .. n1 - n0) = lhs_row @ [w1; w2][:, n0 : n1] (w2 may have K = 0).
-void row_product(const uint16_t* lhs_row, const WeightView& w1, const WeightView& w2, int32_t n0, int32_t n1,
-                 float* acc) {
+// acc[0 .. n1 - n0) = (lhs_row @ w)[n0 : n1] (+ lhs2_row @ w2 when w2 has K > 0), the K steps in the kernels' order.
+void row_product(const uint16_t* lhs_row, const WeightView& w, const uint16_t* lhs2_row, const WeightView& w2,
+                 int32_t n0, int32_t n1, float* acc) {
   std::fill(acc, acc + (n1 - n0), 0.0f);
-  int64_t k_base = 0;
-  for (const WeightView* w : {&w1, &w2}) {
-    for (int64_t kk = 0; kk < w->k; ++kk) {
-      float a = bf16_bits_to_float(lhs_row[k_base + kk]);
-      for (int32_t nn = n0; nn < n1; ++nn) acc[nn - n0] += a * w->at(kk, nn);
+  for (auto [row, weights] : {std::pair{lhs_row, &w}, std::pair{lhs2_row, &w2}}) {
+    for (int64_t kk = 0; kk < weights->k; ++kk) {
+      float a = bf16_bits_to_float(row[kk]);
+      for (int32_t nn = n0; nn < n1; ++nn) acc[nn - n0] += a * weights->at(kk, nn);
     }
-    k_base += w->k;
   }
+}
+
+// acc[0 .. n1 - n0) = (lhs_row @ w)[n0 : n1].
+void row_product(const uint16_t* lhs_row, const WeightView& w, int32_t n0, int32_t n1, float* acc) {
+  row_product(lhs_row, w, nullptr, WeightView{nullptr, 0, w.n, w.transposed}, n0, n1, acc);
 }
 
 GroupLayout layout_of(ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& sizes, int64_t groups, int64_t rows) {
@@ -87,12 +91,12 @@ ffi::Error check_rows(int64_t rows) {
   return ffi::Error::Success();
 }
 
-ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2,
-                  ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
-                  bool transpose_rhs) {
+ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::Buffer<ffi::BF16> rhs,
+                  ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                  ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
   gg::GmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), rhs.dimensions(), rhs2.dimensions(), offsets.element_count(),
-                                       sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
+                                       offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
@@ -106,7 +110,7 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::B
       [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
         WeightView w1{rhs.typed_data() + g * s.k1 * s.n, s.k1, s.n, transpose_rhs};
         WeightView w2{rhs2.typed_data() + g * s.k2 * s.n, s.k2, s.n, transpose_rhs};
-        row_product(lhs.typed_data() + r * (s.k1 + s.k2), w1, w2, n0, n1, acc.data());
+        row_product(lhs.typed_data() + r * s.k1, w1, lhs2.typed_data() + r * s.k2, w2, n0, n1, acc.data());
         for (int32_t c = n0; c < n1; ++c) store(o, type, r * s.n + c, acc[c - n0]);
       },
       [&](int64_t r, int32_t n0, int32_t n1, int32_t) {
@@ -138,14 +142,13 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
     if (o != nullptr) std::fill_n(o, s.rows * s.inner, kBf16Nan);
   }
   std::vector<float> gate(gg::kSwigluTileCols), up(gg::kSwigluTileCols);
-  WeightView none{nullptr, 0, s.inner, false};
   for_each_tile_row<gg::kSwigluTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
         const uint16_t* row = lhs_row(r);
-        row_product(row, {w_gate.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,
+        row_product(row, {w_gate.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, n0, n1,
                     gate.data());
-        row_product(row, {w_up.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, none, n0, n1,
+        row_product(row, {w_up.typed_data() + g * s.hidden * s.inner, s.hidden, s.inner, false}, n0, n1,
                     up.data());
         for (int32_t c = n0; c < n1; ++c) {
           int64_t i = r * s.inner + c;
@@ -181,13 +184,12 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
   std::vector<float> partials(n_blocks * s.rows, std::numeric_limits<float>::quiet_NaN());
   std::vector<float> g(gg::kTileCols);
-  WeightView none{nullptr, 0, s.inner, true};
   for_each_tile_row<gg::kTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t grp, int32_t n0, int32_t n1, int32_t n_block) {
         // w_down[grp] is [I, H]: as the [K = H, N = I] operand it is transposed.
         row_product(dy.typed_data() + r * s.hidden,
-                    {w_down.typed_data() + grp * s.inner * s.hidden, s.hidden, s.inner, true}, none, n0, n1, g.data());
+                    {w_down.typed_data() + grp * s.inner * s.hidden, s.hidden, s.inner, true}, n0, n1, g.data());
         float weight = row_weights.typed_data()[r];
         float partial = 0.0f;
         for (int32_t c = n0; c < n1; ++c) {

@@ -156,28 +156,27 @@ ffi::Error check_features(const char* op, std::initializer_list<int64_t> dims) {
   return ffi::Error::Success();
 }
 
-ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs,
-                   ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                   ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2,
+                   ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets,
+                   ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
   gg::GmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), rhs.dimensions(), rhs2.dimensions(), offsets.element_count(),
-                                       sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
+                                       offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm", {s.k1, s.k2, s.n}));
   JK_FFI_CHECK(s.k1 > 0 && s.n > 0, "jk_gmm: K1 and N must be positive");
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
   if (s.rows == 0) return ffi::Error::Success();
-  sm90::TensorMaps maps;
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1 + s.k2, kLhsBoxRows));
+  sm90::TensorMaps maps{};
+  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1, kLhsBoxRows));
   // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major 256-row box.
   auto map_rhs = [&](CUtensorMap* map, const void* base, int64_t k) {
     return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256) : weights_map(map, base, s.groups, k, s.n, 64);
   };
   JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b, rhs.untyped_data(), s.k1));
   if (s.k2 > 0) {
+    JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a2, lhs2.untyped_data(), s.rows, s.k2, kLhsBoxRows));
     JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b2, rhs2.untyped_data(), s.k2));
-  } else {
-    maps.b2 = maps.b;  // never read: there are no k steps over rhs2
   }
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
@@ -211,7 +210,7 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   JK_FFI_CHECK(s.tokens < (int64_t{1} << 31) && s.tokens * s.hidden / 8 < (int64_t{1} << 32),
                "jk_gmm_swiglu: x [T, H] with row_tokens must have T < 2^31 and T * H < 2^35");
   if (s.rows == 0) return ffi::Error::Success();
-  sm90::TensorMaps maps;
+  sm90::TensorMaps maps{};
   if (!s.gathered) JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
@@ -256,11 +255,10 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   // XLA's scratch allocator refuses alignments above its own 64 bytes: ask for the default.
   auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float));
   JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
-  sm90::TensorMaps maps;
+  sm90::TensorMaps maps{};
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
-  maps.b2 = maps.b;  // never read
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
   p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
@@ -299,11 +297,10 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
     JK_CUDA_CHECK(cudaMemsetAsync(out->untyped_data(), 0, out_bytes, stream));
     return ffi::Error::Success();
   }
-  sm90::TensorMaps maps;
+  sm90::TensorMaps maps{};
   // Both operands MN-major: 64 contraction rows x 64 features per box.
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k, 64));
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.b, rhs.untyped_data(), s.rows, s.n, 64));
-  maps.b2 = maps.b;  // never read
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
   p.m_extent = static_cast<int32_t>(s.k);

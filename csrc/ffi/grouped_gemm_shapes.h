@@ -11,21 +11,25 @@
 namespace jk {
 namespace grouped_gemm {
 
-// jk_gmm: lhs [R, K1 + K2] x (rhs [G, K1, N] + rhs2 [G, K2, N]) or, transposed, rhs [G, N, K1] + rhs2 [G, N, K2].
+// jk_gmm: lhs [R, K1] x rhs [G, K1, N] + lhs2 [R, K2] x rhs2 [G, K2, N] or, transposed, rhs [G, N, K1] and rhs2
+// [G, N, K2]. K2 = 0 (lhs2 [R, 0]) for one product.
 struct GmmShape {
   int64_t rows, k1, k2, n, groups;
 };
 
-inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> rhs2,
-                            int64_t offsets_count, int64_t sizes_count, bool transpose_rhs, GmmShape* shape) {
-  JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 3 && rhs2.size() == 3, "jk_gmm: lhs must be 2-D, rhs and rhs2 3-D");
+inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> lhs2, ffi::Span<const int64_t> rhs,
+                            ffi::Span<const int64_t> rhs2, int64_t offsets_count, int64_t sizes_count,
+                            bool transpose_rhs, GmmShape* shape) {
+  JK_FFI_CHECK(lhs.size() == 2 && lhs2.size() == 2 && rhs.size() == 3 && rhs2.size() == 3,
+               "jk_gmm: lhs and lhs2 must be 2-D, rhs and rhs2 3-D");
   int64_t groups = rhs[0];
   int64_t n = transpose_rhs ? rhs[1] : rhs[2];
   int64_t k1 = transpose_rhs ? rhs[2] : rhs[1];
   int64_t n2 = transpose_rhs ? rhs2[1] : rhs2[2];
   int64_t k2 = transpose_rhs ? rhs2[2] : rhs2[1];
   JK_FFI_CHECK(rhs2[0] == groups && (n2 == n || k2 == 0), "jk_gmm: rhs2 must match rhs in groups and N");
-  JK_FFI_CHECK(lhs[1] == k1 + k2, "jk_gmm: lhs columns must be K1 + K2");
+  JK_FFI_CHECK(lhs[1] == k1 && lhs2[1] == k2, "jk_gmm: lhs must have K1 columns and lhs2 K2");
+  JK_FFI_CHECK(lhs2[0] == lhs[0], "jk_gmm: lhs2 must have lhs's rows");
   JK_FFI_CHECK(offsets_count == groups + 1 && sizes_count == groups, "jk_gmm: group_offsets [G+1], group_sizes [G]");
   *shape = {lhs[0], k1, k2, n, groups};
   return ffi::Error::Success();
@@ -109,6 +113,7 @@ namespace jk {
 template <typename Binding>
 auto gmm_signature(Binding binding) {
   return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()

@@ -60,7 +60,7 @@ static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper C
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
 enum class Mode : int {
-  kGmm = 0,          // out = lhs @ rhs (+ lhs2 @ rhs2 over the second K range)
+  kGmm = 0,          // out = lhs @ rhs (+ lhs2 @ rhs2: k steps k_steps1.. run over the second pair)
   kSwiglu = 1,       // act = swiglu(lhs @ w_gate, lhs @ w_up) (+ saved gate, up)
   kSwigluDgrad = 2,  // g = dy @ w_down^T; SwiGLU backward and per-n-block router-weight partials
   kTgmm = 3,         // out[g] = (row_scale * lhs)[rows of g]^T @ rhs[rows of g]
@@ -88,8 +88,10 @@ struct Params {
   int32_t num_tokens;
 };
 
+// The maps a target does not use are left zero and never read.
 struct TensorMaps {
   CUtensorMap a;   // lhs
+  CUtensorMap a2;  // lhs2 (gmm with a second K range)
   CUtensorMap b;   // rhs (gmm, tgmm, dgrad) or w_gate (swiglu)
   CUtensorMap b2;  // rhs2 (gmm) or w_up (swiglu)
   // bf16 outputs, 64 x 64 boxes: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up [R, I];
@@ -240,17 +242,18 @@ __device__ __forceinline__ void load_lhs_half(const CUtensorMap* map, uint64_t* 
 
 // The lhs of k step ks by TMA: in a cluster this CTA loads lhs half `rank` and its peer the other.
 template <Mode kMode, int kCluster>
-__device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Tile& tile, int32_t ks, uint32_t rank,
-                                         uint8_t* a_smem, uint64_t* full) {
+__device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
+                                         uint32_t rank, uint8_t* a_smem, uint64_t* full) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (kCluster > 1 && half != static_cast<int>(rank)) continue;
-    // tgmm's lhs is MN-major: a half is 64 output rows (m) of the 64 contraction rows; otherwise 64 tile rows.
-    if constexpr (kMode == Mode::kTgmm) {
-      load_lhs_half<kCluster>(&maps.a, full, a_smem + half * kSubTileBytes, tile.m0 + 64 * half,
-                              tile.row0 + ks * kBlockK);
-    } else {
-      load_lhs_half<kCluster>(&maps.a, full, a_smem + half * kSubTileBytes, ks * kBlockK, tile.row0 + 64 * half);
+    uint8_t* half_smem = a_smem + half * kSubTileBytes;
+    if constexpr (kMode == Mode::kTgmm) {  // MN-major: a half is 64 output rows (m) of the 64 contraction rows
+      load_lhs_half<kCluster>(&maps.a, full, half_smem, tile.m0 + 64 * half, tile.row0 + ks * kBlockK);
+    } else {  // 64 tile rows; k steps from k_steps1 on read lhs2
+      const bool second = ks >= p.k_steps1;
+      load_lhs_half<kCluster>(second ? &maps.a2 : &maps.a, full, half_smem, (second ? ks - p.k_steps1 : ks) * kBlockK,
+                              tile.row0 + 64 * half);
     }
   }
 }
@@ -688,6 +691,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   if (thread == 0) {
     if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
+    if (kMode == Mode::kGmm && p.k_steps2 > 0) cute::prefetch_tma_descriptor(&maps.a2);
     cute::prefetch_tma_descriptor(&maps.b);
     cute::prefetch_tma_descriptor(&maps.b2);
   }
@@ -707,7 +711,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
       if (thread == 0) {
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage],
                                                                        kGatherLhs ? kBBytes : kStageBytes);
-        if constexpr (!kGatherLhs) load_lhs<kMode, kCluster>(maps, tile, ks, rank, a_smem, &full[stage]);
+        if constexpr (!kGatherLhs) load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
         load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
       }
       if constexpr (kGatherLhs) gather_lhs(p, lines, ks, thread, a_smem, &full[stage]);
