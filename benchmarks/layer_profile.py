@@ -3,7 +3,9 @@ dense chain, forward and forward+backward, on `layer.py`'s inputs (each model sh
 ``jax.profiler``: device time per call, summed per kernel and per XLA op (`common.traced_device_time`).
 
 Tells the grouped GEMMs from the gather, combine and schedule, and each from its dense counterpart, which
-`layer.py`'s wall-clock ratios cannot.
+`layer.py`'s wall-clock ratios cannot. Per routing it also times the gate/up GEMM alone both ways the kittens
+kernels can feed it: rows gathered by the gather kernel and loaded by TMA ("gate_up:rows"), or read straight from
+the tokens through the row -> token map ("gate_up:gathered", what `moe_ffn` does), in the same process.
 
   python3 benchmarks/layer_profile.py                   # on the H200: benchmarks/results/layer_profile_h200.json
   python3 benchmarks/layer_profile.py --shapes qwen3.5  # some shapes
@@ -25,23 +27,44 @@ import jax  # noqa: E402
 import common  # noqa: E402
 import layer  # noqa: E402
 
-from jax_kittens import moe  # noqa: E402
+import jax_kittens  # noqa: E402
+from jax_kittens import grouped_matmul, moe, permute  # noqa: E402
+
+
+def gate_up_alone(shape, inputs, routing, gathered):
+  """x [T, H] -> act [R, I]: schedule and gate/up GEMM with SwiGLU, its lhs gathered beforehand or in the kernel."""
+  num_local_experts = shape.num_experts // common.GPUS_PER_NODE
+  w_gate, w_up, _ = inputs["experts"]
+  ids = inputs["routings"][routing][1]
+  num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
+
+  def fn(x):
+    sched = jax_kittens.schedule(ids, num_local_experts, align=grouped_matmul.ROW_ALIGN, backend="kittens")
+    if gathered:
+      return grouped_matmul.gmm_swiglu(x, w_gate, w_up, sched.expert_offsets, sched.tokens_per_expert,
+                                       row_tokens=permute.row_tokens(sched.rows, num_rows))
+    return grouped_matmul.gmm_swiglu(permute.gather_rows(x, sched, num_rows), w_gate, w_up, sched.expert_offsets,
+                                     sched.tokens_per_expert)
+
+  return fn
 
 
 def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
-  """Rows of one model shape: kittens per routing and the dense chain, per mode."""
+  """Rows of one model shape: kittens per routing and the dense chain, per mode; the gate/up GEMM both ways."""
   inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
+  x = inputs["xs"][0]
   kittens = functools.partial(moe.moe_ffn, backend="kittens")
-  cases = [(routing, kittens, layer.ROUTED_DIFFERENTIABLE,
-            (inputs["xs"][0], *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"])
-           for routing in common.ROUTINGS]
-  cases.append(("equal", layer.dense_layer, layer.DENSE_DIFFERENTIABLE, (inputs["dense_rows"], *inputs["experts"]),
-                inputs["dense_d_y"]))
+  # (backend, routing, fn, modes, differentiable, args, d_y)
+  cases = [("kittens", routing, kittens, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
+            (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
+  cases.append(("dense", "equal", layer.dense_layer, layer.MODES, layer.DENSE_DIFFERENTIABLE,
+                (inputs["dense_rows"], *inputs["experts"]), inputs["dense_d_y"]))
+  cases += [(f"gate_up:{way}", routing, gate_up_alone(shape, inputs, routing, way == "gathered"), ("fwd",), None,
+             (x,), None) for routing in common.ROUTINGS for way in ("rows", "gathered")]
   rows = []
-  for routing, fn, differentiable, args, d_y in cases:
-    for mode in layer.MODES:
-      row = {"shape": name, "mode": mode, "backend": "dense" if routing == "equal" else "kittens",
-             "routing": routing}
+  for backend, routing, fn, modes, differentiable, args, d_y in cases:
+    for mode in modes:
+      row = {"shape": name, "mode": mode, "backend": backend, "routing": routing}
       try:
         compiled = jax.jit(fn if mode == "fwd" else layer.forward_backward(fn, differentiable))
         call_args = args if mode == "fwd" else (*args, d_y)
@@ -50,7 +73,7 @@ def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
         row.update(common.traced_device_time(lambda: compiled(*call_args), calls, top=top))  # noqa: B023
       except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
         row["error"] = common.error_message(error)
-      common.print_traced(f"{name} {mode} {row['backend']} {routing} (per call)", row)
+      common.print_traced(f"{name} {mode} {backend} {routing} (per call)", row)
       rows.append(row)
   return rows
 

@@ -14,10 +14,12 @@ def test_layer_profile_smoke(tmp_path):
                  capture_output=True, text=True)
   result = json.loads((tmp_path / "layer_profile_smoke.json").read_text())
   rows = result["rows"]
-  # kittens per routing and the dense chain, forward and forward+backward.
-  assert {(r["backend"], r["routing"], r["mode"]) for r in rows} == {
-      (backend, routing, mode) for backend, routing in (("kittens", "uniform"), ("kittens", "skewed"),
-                                                         ("dense", "equal")) for mode in ("fwd", "fwd_bwd")}
+  # kittens per routing and the dense chain, forward and forward+backward; the gate/up GEMM alone both ways.
+  layer_rows = {(backend, routing, mode) for backend, routing in (("kittens", "uniform"), ("kittens", "skewed"),
+                                                                  ("dense", "equal")) for mode in ("fwd", "fwd_bwd")}
+  gate_up_rows = {(f"gate_up:{way}", routing, "fwd") for way in ("rows", "gathered")
+                  for routing in ("uniform", "skewed")}
+  assert {(r["backend"], r["routing"], r["mode"]) for r in rows} == layer_rows | gate_up_rows
   for row in rows:
     assert "error" not in row, row["error"]
     assert row["busy_ms"] > 0 and row["top_kernels"]
