@@ -1,0 +1,161 @@
+"""Hardware counters of single grouped-GEMM launches against cuBLAS's dense GEMMs at the same shape (Nsight Compute).
+
+`layer_profile.py` says how long each kernel takes; this says why: tensor-pipe and issue utilisation, L2 and DRAM
+traffic, warp stalls. Each case of a model shape's single-GPU slice (uniform routing, layer.py's sizes) is one
+process that launches its kernel a few times; `ncu` profiles the last launch only (a kernel-name filter and
+--launch-skip), with device memory not preallocated so that its replays save and restore little:
+
+  swiglu_rows       gmm_swiglu over rows gathered beforehand (TMA loads)    x_rows [R, H] x [G, H, 2I]
+  swiglu_gathered   gmm_swiglu reading its rows from the tokens (cp.async)  x [T, H], row_tokens [R]
+  down              gmm                                                     act [R, I] x w_down [G, I, H]
+  dense_gate        cuBLAS, the dense chain's gate GEMM (half the SwiGLU GEMM's FLOPs)  [G, R/G, H] x [G, H, I]
+  dense_down        cuBLAS, the dense chain's down GEMM                     [G, R/G, I] x [G, I, H]
+
+  python3 benchmarks/gemm_counters.py --shapes kimi-k2,qwen3.5   # on the H200 (ncu on PATH): gemm_counters_h200.json
+  python3 benchmarks/gemm_counters.py --run down --shape smoke-a --smoke   # one case's launches, no ncu
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import common  # noqa: E402
+import layer  # noqa: E402
+
+import jax_kittens  # noqa: E402
+from jax_kittens import grouped_matmul, permute  # noqa: E402
+
+# case -> (ncu kernel-name filter, FLOPs as a function of (rows, H, I))
+CASES = {
+    "swiglu_rows": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * 2 * i),
+    "swiglu_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * 2 * i),
+    "down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
+    "dense_gate": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * h * i),
+    "dense_down": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * i * h),
+}
+WARMUP_LAUNCHES = 2
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
+EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+
+
+def case_call(case, shape, num_tokens):
+  """(jitted fn, args) of one case: each call launches exactly one kernel of the case's filter."""
+  inputs = layer.shape_inputs(jax.random.key(0), shape, num_tokens)
+  num_local_experts = shape.num_experts // common.GPUS_PER_NODE
+  w_gate, w_up, w_down = inputs["experts"]
+  x = inputs["xs"][0]
+  ids = inputs["routings"]["uniform"][1]
+  sched = jax_kittens.schedule(ids, num_local_experts, align=grouped_matmul.ROW_ALIGN)
+  num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
+  groups = (sched.expert_offsets, sched.tokens_per_expert)
+  if case == "swiglu_rows":
+    return jax.jit(grouped_matmul.gmm_swiglu), (permute.gather_rows(x, sched, num_rows), w_gate, w_up, *groups)
+  if case == "swiglu_gathered":
+    fn = lambda x, row_tokens, *rest: grouped_matmul.gmm_swiglu(x, *rest, row_tokens=row_tokens)  # noqa: E731
+    return jax.jit(fn), (x, permute.row_tokens(sched.rows, num_rows), w_gate, w_up, *groups)
+  if case == "down":
+    act = (jax.random.normal(jax.random.key(1), (num_rows, shape.intermediate), jnp.float32)).astype(jnp.bfloat16)
+    return jax.jit(grouped_matmul.gmm), (act, w_down, *groups)
+  dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
+  if case == "dense_gate":
+    return dense, (inputs["dense_rows"], w_gate)
+  if case == "dense_down":
+    act = jax.random.normal(jax.random.key(1), inputs["dense_rows"].shape[:2] + (shape.intermediate,), jnp.float32)
+    return dense, (act.astype(jnp.bfloat16), w_down)
+  raise ValueError(f"unknown case {case!r}; choose from {sorted(CASES)}")
+
+
+def run_case(case, shape, num_tokens):
+  fn, args = case_call(case, shape, num_tokens)
+  for _ in range(WARMUP_LAUNCHES + 1):
+    jax.block_until_ready(fn(*args))
+
+
+def parse_ncu_csv(text: str) -> dict[str, dict]:
+  """ncu ``--csv --page details --print-units base`` output -> {"Section / Metric": {"value", "unit"}}."""
+  lines = text.splitlines()
+  header = next((n for n, line in enumerate(lines) if line.startswith('"ID"')), None)
+  if header is None:
+    raise RuntimeError("no ncu CSV table in the output (no kernel matched the filter?)")
+  metrics = {}
+  for record in csv.DictReader(io.StringIO("\n".join(lines[header:]))):
+    if record.get("Metric Name") is None:
+      continue
+    raw = record["Metric Value"]
+    try:
+      value = float(raw.replace(",", ""))
+    except ValueError:
+      value = raw
+    name = f"{record['Section Name']} / {record['Metric Name']}" if record.get("Section Name") else record["Metric Name"]
+    metrics[name] = {"value": value, "unit": record.get("Metric Unit", "")}
+  return metrics
+
+
+def profile_case(case, shape_name, shape, num_tokens, ncu):
+  kernel_filter, flops_of = CASES[case]
+  command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip",
+             str(WARMUP_LAUNCHES), "--launch-count", "1", "--csv", "--page", "details", "--print-units", "base",
+             *(arg for section in SECTIONS for arg in ("--section", section)), "--metrics", ",".join(EXTRA_METRICS),
+             sys.executable, os.path.abspath(__file__), "--run", case, "--shape", shape_name]
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+  if result.returncode != 0:
+    raise RuntimeError(f"ncu exit {result.returncode}: {(result.stderr or result.stdout).strip()[-500:]}")
+  metrics = parse_ncu_csv(result.stdout)
+  rows = num_tokens * shape.top_k
+  flops = flops_of(rows, shape.hidden, shape.intermediate)
+  duration_ns = next((m["value"] for name, m in metrics.items() if name.endswith("/ Duration")), None)
+  row = {"shape": shape_name, "case": case, "flops": flops, "metrics": metrics}
+  if isinstance(duration_ns, float) and duration_ns > 0:
+    row["duration_ms"] = duration_ns * 1e-6
+    row["tflops"] = flops / duration_ns * 1e-3
+  return row
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (with --run: any platform)")
+  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (default: all)")
+  parser.add_argument("--run", default=None, help="internal: launch one case's kernels (what ncu profiles)")
+  parser.add_argument("--shape", default=None, help="with --run: the model shape")
+  parser.add_argument("--ncu", default="ncu")
+  parser.add_argument("--out-dir", default=common.RESULTS_DIR)
+  args = parser.parse_args()
+  shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
+  num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
+  if args.run is not None:
+    run_case(args.run, shapes[args.shape], num_tokens)
+    return
+  names = list(shapes) if args.shapes is None else args.shapes.split(",")
+  rows = []
+  for name in names:
+    for case in args.cases.split(","):
+      row = {"shape": name, "case": case}
+      try:
+        row = profile_case(case, name, shapes[name], num_tokens, args.ncu)
+      except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
+        row["error"] = common.error_message(error)
+      print(f"{name:12s} {case:16s} " + (f"{row['duration_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
+                                          if "tflops" in row else row.get("error", "no duration")), flush=True)
+      rows.append(row)
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, "gemm_counters_h200.json")
+  with open(path, "w") as f:
+    json.dump({**common.metadata(), "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
