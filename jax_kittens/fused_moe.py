@@ -15,10 +15,10 @@ Backward (`jax.custom_vjp`):
   -> down dgrad with the SwiGLU backward and the router-weight gradient in its epilogue (jk_gmm_swiglu_dgrad)
   -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm with lhs2, rhs2; nothing concatenated)
   -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
-  weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down with the router weights as row
-  scale), and d(router weights) gathered from the rows back to [T, k]. The shared experts' weight gradients
-  contract one group of T rows: when that gives few output tiles, the rows are cut into slices contracted as
-  separate groups (float32 partials, summed in slice order).
+  weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down's hidden rows scaled by the router
+  weights in an XLA elementwise pass), and d(router weights) gathered from the rows back to [T, k]. The shared
+  experts' weight gradients contract one group of T rows: when that gives few output tiles, the rows are cut into
+  slices contracted as separate groups (float32 partials, summed in slice order).
 ``recompute=False`` keeps the gate/up pre-activations from the forward ([R, I] bf16 each, R =
 ``num_schedule_rows(T*k, E, ROW_ALIGN)``); ``recompute=True`` keeps only the inputs and the schedule.
 
@@ -139,7 +139,11 @@ def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down
   d_x_rows = layout.gmm(d_gate, w_gate, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
   d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
   d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
-  d_w_down = layout.tgmm(act, dy_rows, w_down.dtype, row_scale=row_weights)
+  if row_weights is not None:
+    # dW_down contracts the weighted rows: scaled here, where XLA fuses it into an elementwise pass, with the
+    # rounding tgmm's row_scale has (bf16(act * w)), which rescales every shared-memory stage in the kernel instead.
+    act = (act.astype(jnp.float32) * row_weights[:, None]).astype(act.dtype)
+  d_w_down = layout.tgmm(act, dy_rows, w_down.dtype)
   return d_x_rows, d_row_weights, (d_w_gate, d_w_up, d_w_down)
 
 
