@@ -206,12 +206,8 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
                                           offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
-  // The gathered loads address x in 32-bit counts of 16-byte chunks.
-  JK_FFI_CHECK(s.tokens < (int64_t{1} << 31) && s.tokens * s.hidden / 8 < (int64_t{1} << 32),
-               "jk_gmm_swiglu: x [T, H] with row_tokens must have T < 2^31 and T * H < 2^35");
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
-  if (!s.gathered) JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
   sm90::Params p;
@@ -222,9 +218,14 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   p.out3 = s.save_preactivations ? up_out->typed_data() : nullptr;
   p.clamp = {swiglu_limit};
   if (s.gathered) {
+    // The gathered loads address x in 32-bit counts of 16-byte chunks.
+    JK_FFI_CHECK(s.tokens < (int64_t{1} << 31) && s.tokens * s.hidden / 8 < (int64_t{1} << 32),
+                 "jk_gmm_swiglu: x [T, H] with row_tokens must have T < 2^31 and T * H < 2^35");
     p.tokens = x.typed_data();
     p.row_tokens = row_tokens.typed_data();
     p.num_tokens = static_cast<int32_t>(s.tokens);
+  } else {
+    JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   }
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   if (s.save_preactivations) {
