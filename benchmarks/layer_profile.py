@@ -31,14 +31,13 @@ import jax_kittens  # noqa: E402
 from jax_kittens import grouped_matmul, moe, permute  # noqa: E402
 
 
-def gate_up_alone(shape, inputs, routing, gathered):
-  """x [T, H] -> act [R, I]: schedule and gate/up GEMM with SwiGLU, its lhs gathered beforehand or in the kernel."""
+def gate_up_alone(shape, gathered):
+  """(x, ids, w_gate, w_up) -> act [R, I]: schedule and gate/up GEMM with SwiGLU, its lhs gathered beforehand or in
+  the kernel. Everything is an argument: arrays closed over would be baked into the program as constants."""
   num_local_experts = shape.num_experts // common.GPUS_PER_NODE
-  w_gate, w_up, _ = inputs["experts"]
-  ids = inputs["routings"][routing][1]
-  num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
 
-  def fn(x):
+  def fn(x, ids, w_gate, w_up):
+    num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
     sched = jax_kittens.schedule(ids, num_local_experts, align=grouped_matmul.ROW_ALIGN, backend="kittens")
     if gathered:
       return grouped_matmul.gmm_swiglu(x, w_gate, w_up, sched.expert_offsets, sched.tokens_per_expert,
@@ -59,8 +58,9 @@ def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
             (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
   cases.append(("dense", "equal", layer.dense_layer, layer.MODES, layer.DENSE_DIFFERENTIABLE,
                 (inputs["dense_rows"], *inputs["experts"]), inputs["dense_d_y"]))
-  cases += [(f"gate_up:{way}", routing, gate_up_alone(shape, inputs, routing, way == "gathered"), ("fwd",), None,
-             (x,), None) for routing in common.ROUTINGS for way in ("rows", "gathered")]
+  cases += [(f"gate_up:{way}", routing, gate_up_alone(shape, way == "gathered"), ("fwd",), None,
+             (x, inputs["routings"][routing][1], *inputs["experts"][:2]), None)
+            for routing in common.ROUTINGS for way in ("rows", "gathered")]
   rows = []
   for backend, routing, fn, modes, differentiable, args, d_y in cases:
     for mode in modes:
