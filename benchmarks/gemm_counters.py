@@ -149,12 +149,26 @@ def main() -> None:
         row["error"] = common.error_message(error)
       print(f"{name:12s} {case:16s} " + (f"{row['duration_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
                                           if "tflops" in row else row.get("error", "no duration")), flush=True)
+      for metric, value in summary(row.get("metrics", {})):
+        print(f"    {metric}: {value}", flush=True)
       rows.append(row)
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, "gemm_counters_h200.json")
-  with open(path, "w") as f:
-    json.dump({**common.metadata(), "rows": rows}, f, indent=1)
+      # After every case: a caller's time limit may stop the run before the last.
+      os.makedirs(args.out_dir, exist_ok=True)
+      path = os.path.join(args.out_dir, "gemm_counters_h200.json")
+      with open(path, "w") as f:
+        json.dump({**common.metadata(), "rows": rows}, f, indent=1)
   print(f"wrote {path}")
+
+
+SUMMARY_KEYS = ("Duration", "SM Frequency", "Compute (SM) Throughput", "Memory Throughput", "L2 Hit Rate",
+                "DRAM Throughput", "Executed Ipc Active", "Issue Slots Busy", "dram__bytes_read.sum",
+                "dram__bytes_write.sum", "Stall")
+
+
+def summary(metrics):
+  """(name, value with unit) of the metrics worth reading in a log, in ncu's order."""
+  return [(name, f"{m['value']} {m['unit']}".strip()) for name, m in metrics.items()
+          if any(key in name for key in SUMMARY_KEYS)]
 
 
 if __name__ == "__main__":
