@@ -231,14 +231,13 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
-         row_scale: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
-  """Grouped GEMM contracting the ragged row dim (weight gradients): ``out[g] = sum_r lhs[r]^T (s_r rhs[r])``.
+         out_dtype=jnp.float32) -> jax.Array:
+  """Grouped GEMM contracting the ragged row dim (weight gradients): ``out[g] = sum_r lhs[r]^T rhs[r]``.
 
   Args:
     lhs: [R, K] bf16.
     rhs: [R, N] bf16.
     group_offsets: [G+1] int32; group_sizes: [G] int32; the sum runs over the data rows of group g.
-    row_scale: optional [R] float32 scale s_r of each row (applied to lhs[r], rounded to bf16); 1 when None.
     out_dtype: float32 (default) or bfloat16.
 
   Returns:
@@ -253,15 +252,9 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
   _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
   num_groups = group_sizes.shape[0]
   _check_groups(group_offsets, group_sizes, num_groups)
-  if row_scale is None:
-    row_scale = jnp.zeros((0,), jnp.float32)
-  else:
-    _check_array("row_scale", row_scale, 1, (jnp.float32,))
-    if row_scale.shape != (rows,):
-      raise ValueError(f"row_scale must have shape [R={rows}], got {tuple(row_scale.shape)}")
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((num_groups, k, rhs.shape[1]), out_dtype)
-  return _extension.ffi_call("jk_tgmm", out_type, lhs, rhs, row_scale, group_offsets, group_sizes,
+  return _extension.ffi_call("jk_tgmm", out_type, lhs, rhs, group_offsets, group_sizes,
                              vmap_method="sequential")
 
 

@@ -217,11 +217,9 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
   return ffi::Error::Success();
 }
 
-ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::F32> row_scale,
-                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
   gg::TgmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), row_scale.element_count(),
-                                        out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
@@ -239,9 +237,7 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::
       const uint16_t* a = lhs.typed_data() + r * s.k;
       const uint16_t* b = rhs.typed_data() + r * s.n;
       for (int32_t m = tile.m0; m < m1; ++m) {
-        // The kernels scale the bf16 lhs tile in place: the scaled operand is rounded to bf16.
         float a_m = bf16_bits_to_float(a[m]);
-        if (s.has_row_scale) a_m = round_to_bf16(a_m * row_scale.typed_data()[r]);
         float* acc_row = acc.data() + (m - tile.m0) * kN;
         for (int32_t c = tile.n0; c < n1; ++c) acc_row[c - tile.n0] += a_m * bf16_bits_to_float(b[c]);
       }

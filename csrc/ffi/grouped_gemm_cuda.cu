@@ -282,11 +282,9 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
 }
 
 ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs,
-                    ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                    ffi::Result<ffi::AnyBuffer> out) {
+                    ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
   gg::TgmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), row_scale.element_count(),
-                                        out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), out->dimensions(), offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
@@ -306,7 +304,6 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
-  p.row_scale = s.has_row_scale ? row_scale.typed_data() : nullptr;
   if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, maps, p, tiles, n_blocks);
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, 64));
   return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);

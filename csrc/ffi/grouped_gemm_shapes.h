@@ -84,21 +84,18 @@ inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, ffi::Span<const int64
   return ffi::Error::Success();
 }
 
-// jk_tgmm: lhs [R, K], rhs [R, N], row_scale [R] or [0] -> out [G, K, N].
+// jk_tgmm: lhs [R, K], rhs [R, N] -> out [G, K, N].
 struct TgmmShape {
   int64_t rows, k, n, groups;
-  bool has_row_scale;
 };
 
-inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, int64_t row_scale_count,
-                             ffi::Span<const int64_t> out, int64_t offsets_count, int64_t sizes_count,
+inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> out, int64_t offsets_count, int64_t sizes_count,
                              TgmmShape* shape) {
   JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 2 && out.size() == 3, "jk_tgmm: lhs, rhs 2-D; out 3-D");
   JK_FFI_CHECK(rhs[0] == lhs[0], "jk_tgmm: lhs and rhs must have the same rows");
-  JK_FFI_CHECK(row_scale_count == lhs[0] || row_scale_count == 0, "jk_tgmm: row_scale must be [R] or [0]");
   JK_FFI_CHECK(out[1] == lhs[1] && out[2] == rhs[1], "jk_tgmm: out must be [G, K, N]");
   JK_FFI_CHECK(offsets_count == out[0] + 1 && sizes_count == out[0], "jk_tgmm: group_offsets [G+1], group_sizes [G]");
-  *shape = {lhs[0], lhs[1], rhs[1], out[0], row_scale_count != 0};
+  *shape = {lhs[0], lhs[1], rhs[1], out[0]};
   return ffi::Error::Success();
 }
 
@@ -159,7 +156,6 @@ auto tgmm_signature(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>();

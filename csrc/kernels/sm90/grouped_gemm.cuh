@@ -63,7 +63,7 @@ enum class Mode : int {
   kGmm = 0,          // out = lhs @ rhs (+ lhs2 @ rhs2: k steps k_steps1.. run over the second pair)
   kSwiglu = 1,       // act = swiglu(lhs @ w_gate, lhs @ w_up) (+ saved gate, up)
   kSwigluDgrad = 2,  // g = dy @ w_down^T; SwiGLU backward and per-n-block router-weight partials
-  kTgmm = 3,         // out[g] = (row_scale * lhs)[rows of g]^T @ rhs[rows of g]
+  kTgmm = 3,         // out[g] = lhs[rows of g]^T @ rhs[rows of g]
 };
 
 struct Params {
@@ -79,7 +79,6 @@ struct Params {
   const uint16_t* up_in;    // dgrad
   const float* row_weights;    // dgrad
   float* row_weight_partials;  // dgrad: [n blocks, R]
-  const float* row_scale;      // tgmm (or null)
   SwigluClamp clamp;
   // swiglu with a gathered lhs: row r of the lhs is token row_tokens[r] of tokens [num_tokens, K] (a token outside
   // [0, num_tokens) reads as zeros).
@@ -346,62 +345,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// tgmm: rows of a k step outside the group are zeroed in both operands (padding rows may hold anything, even NaN)
-// and lhs rows are scaled by row_scale, in shared memory before the wgmma reads them. Consumer thread t rewrites the
-// 16-byte chunks t, t + 256, t + 512 and t + 768 of the lhs stage: lines t/8 and t/8 + 32 of both 64-wide halves.
-
-// The row_scale of the thread's two lines, read before the stage lands so that the global loads' latency overlaps
-// the wait (and the previous step's wgmma) instead of delaying this step's.
-struct TgmmScales {
-  float line[2];
-};
-
-__device__ __forceinline__ TgmmScales tgmm_scales(const Params& p, const Tile& tile, int32_t ks, int consumer_thread) {
-  TgmmScales scales{{1.0f, 1.0f}};
-  if (p.row_scale == nullptr) return scales;
-  const int32_t rows_here = tile.valid - ks * kBlockK;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int line = (consumer_thread >> 3) + 32 * i;
-    scales.line[i] = line < rows_here ? p.row_scale[tile.row0 + ks * kBlockK + line] : 0.0f;
-  }
-  return scales;
-}
-
-__device__ __forceinline__ void tgmm_fixup(const Params& p, const Tile& tile, int32_t ks, const TgmmScales& scales,
-                                           uint8_t* a_smem, uint8_t* b_smem, int consumer_thread) {
-  int32_t rows_here = tile.valid - ks * kBlockK;  // > 0
-  bool partial = rows_here < kBlockK;
-  if (!partial && p.row_scale == nullptr) return;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = consumer_thread + 256 * i;
-    const int line = (c >> 3) & 63;
-    uint4* chunk = reinterpret_cast<uint4*>(a_smem + (c >> 9) * kSubTileBytes + line * kLineBytes + (c & 7) * 16);
-    if (line >= rows_here) {
-      *chunk = make_uint4(0, 0, 0, 0);
-    } else if (p.row_scale != nullptr) {
-      const float scale = scales.line[i & 1];
-      uint4 v = *chunk;
-      uint32_t* words = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        float lo = bf16_bits_to_float(static_cast<uint16_t>(words[w] & 0xFFFF)) * scale;
-        float hi = bf16_bits_to_float(static_cast<uint16_t>(words[w] >> 16)) * scale;
-        words[w] = pack_bf16x2(lo, hi);
-      }
-      *chunk = v;
-    }
-  }
-  if (partial) {
-    int bad_lines = kBlockK - rows_here;
-    for (int c = consumer_thread; c < 4 * bad_lines * 8; c += 256) {
-      int sub = c / (bad_lines * 8);
-      int rest = c - sub * bad_lines * 8;
-      int line = rows_here + (rest >> 3);
-      *reinterpret_cast<uint4*>(b_smem + sub * kSubTileBytes + line * kLineBytes + (rest & 7) * 16) =
-          make_uint4(0, 0, 0, 0);
-    }
+// tgmm: the rows of a group's last k step past its end are zeroed in both operands, in shared memory before the
+// wgmma reads them (padding rows, and the next group's, may hold anything, even NaN). The stages are MN-major
+// sub-tiles of 64 lines (one per k-step row), a's two then b's four, contiguous; the 256 consumer threads zero the
+// bad lines' 16-byte chunks of each in turn.
+__device__ __forceinline__ void tgmm_zero_tail(const Tile& tile, int32_t ks, uint8_t* stage, int consumer_thread) {
+  static_assert(kABytes + kBBytes == 6 * kSubTileBytes, "tgmm stage: six MN-major sub-tiles");
+  const int32_t rows_here = tile.valid - ks * kBlockK;  // > 0
+  if (rows_here >= kBlockK) return;
+  const int bad_chunks = (kBlockK - rows_here) * 8;  // per sub-tile
+  for (int c = consumer_thread; c < 6 * bad_chunks; c += 256) {
+    const int sub = c / bad_chunks;
+    const int rest = c - sub * bad_chunks;
+    *reinterpret_cast<uint4*>(stage + sub * kSubTileBytes + (rows_here + (rest >> 3)) * kLineBytes + (rest & 7) * 16) =
+        make_uint4(0, 0, 0, 0);
   }
   cutlass::arch::fence_view_async_shared();
   cutlass::arch::NamedBarrier::sync(256, 1);
@@ -741,13 +698,11 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
     // Waits for k step ks's stage (tgmm: and fixes it up) and returns its address.
     auto acquire = [&](int32_t ks) {
       const uint32_t stage = it % kStages;
-      TgmmScales scales;
-      if constexpr (kMode == Mode::kTgmm) scales = tgmm_scales(p, tile, ks, consumer_thread);
       wait_barrier(&full[stage], (it / kStages) & 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
       // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
       if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
-      if constexpr (kMode == Mode::kTgmm) tgmm_fixup(p, tile, ks, scales, a_smem, a_smem + kABytes, consumer_thread);
+      if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, a_smem, consumer_thread);
       return a_smem;
     };
     if (scheduler.consumer_has_rows(p, tile, consumer)) {
