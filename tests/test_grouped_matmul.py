@@ -95,6 +95,18 @@ def test_gmm_padded_layout(case, out_dtype):
   assert np.all(f64(out)[~is_data] == 0)
 
 
+@pytest.mark.parametrize("n", [512, 768])  # two 256-column blocks (cluster pairs on the GPU), three (none)
+def test_gmm_large_groups(n):
+  """Groups of more than 16 row tiles, which the scheduler cuts into bands (17 tiles: 9 + 8)."""
+  rng = np.random.default_rng(n)
+  sizes = [2100, 0, 1900, 5]
+  rows = sum((s + 127) // 128 * 128 for s in sizes)
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  lhs, rhs = bf16(rng, rows, 64), bf16(rng, len(sizes), 64, n)
+  out = gm.gmm(lhs, rhs, offsets, group_sizes)
+  assert rel_err(out, gmm_oracle(lhs, rhs, offsets, group_sizes)) < BF16_TOL
+
+
 def test_gmm_rows_outside_every_group_are_zero():
   """Rows before group_offsets[0] and after group_offsets[G] belong to no group: written as 0."""
   rng = np.random.default_rng(9)

@@ -53,12 +53,20 @@ GroupLayout layout_of(ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& siz
 
 // Walks the kernels' row tiles (kernels/grouped_gemm.h): data_row(row, group, n0, n1, n_block) for data rows,
 // pad_row(row, n0, n1, n_block) for padding, tail and head rows. Outputs are NaN-filled first, so a row the tile
-// decomposition missed fails the tests as it would on the GPU.
+// decomposition missed fails the tests as it would on the GPU. It also checks what the kernels' 2-CTA clusters
+// assume of the order (tiles 2j and 2j + 1 share their rows, in adjacent n blocks), which the CPU cannot run.
 template <int kBlockN, typename DataRow, typename PadRow>
-void for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, PadRow pad_row) {
+ffi::Error for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, PadRow pad_row) {
   gg::RowTileScheduler<gg::kTileRows, kBlockN> scheduler(layout, n);
-  gg::RowTile tile;
+  gg::RowTile tile, pair_first;
   for (int32_t t = 0; scheduler.get(layout, t, &tile); ++t) {
+    if (t % 2 == 0) {
+      pair_first = tile;
+    } else if (scheduler.pair == 2) {
+      JK_FFI_CHECK(tile.group == pair_first.group && tile.row0 == pair_first.row0 &&
+                       tile.n_block == pair_first.n_block + 1 && tile.n_block % 2 == 1,
+                   "row tile scheduler: tiles 2j and 2j + 1 must be one cluster's pair");
+    }
     int32_t n1 = std::min(tile.n0 + kBlockN, n);
     for (int32_t r = 0; r < tile.written; ++r) {
       if (r < tile.valid) {
@@ -68,6 +76,7 @@ void for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, P
       }
     }
   }
+  return ffi::Error::Success();
 }
 
 void store(void* out, ffi::DataType type, int64_t index, float value) {
@@ -105,7 +114,7 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::
   void* o = out->untyped_data();
   poison(o, type, out->element_count());
   std::vector<float> acc(gg::kTileCols);
-  for_each_tile_row<gg::kTileCols>(
+  JK_FFI_RETURN_IF_ERROR(for_each_tile_row<gg::kTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.n),
       [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
         WeightView w1{rhs.typed_data() + g * s.k1 * s.n, s.k1, s.n, transpose_rhs};
@@ -115,7 +124,7 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::
       },
       [&](int64_t r, int32_t n0, int32_t n1, int32_t) {
         for (int32_t c = n0; c < n1; ++c) store(o, type, r * s.n + c, 0.0f);
-      });
+      }));
   return ffi::Error::Success();
 }
 
@@ -142,7 +151,7 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
     if (o != nullptr) std::fill_n(o, s.rows * s.inner, kBf16Nan);
   }
   std::vector<float> gate(gg::kSwigluTileCols), up(gg::kSwigluTileCols);
-  for_each_tile_row<gg::kSwigluTileCols>(
+  JK_FFI_RETURN_IF_ERROR(for_each_tile_row<gg::kSwigluTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t g, int32_t n0, int32_t n1, int32_t) {
         const uint16_t* row = lhs_row(r);
@@ -163,7 +172,7 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
         for (uint16_t* o : outputs) {
           if (o != nullptr) std::fill(o + r * s.inner + n0, o + r * s.inner + n1, uint16_t{0});
         }
-      });
+      }));
   return ffi::Error::Success();
 }
 
@@ -184,7 +193,7 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
   std::vector<float> partials(n_blocks * s.rows, std::numeric_limits<float>::quiet_NaN());
   std::vector<float> g(gg::kTileCols);
-  for_each_tile_row<gg::kTileCols>(
+  JK_FFI_RETURN_IF_ERROR(for_each_tile_row<gg::kTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t grp, int32_t n0, int32_t n1, int32_t n_block) {
         // w_down[grp] is [I, H]: as the [K = H, N = I] operand it is transposed.
@@ -208,7 +217,7 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
         std::fill(d_gate->typed_data() + r * s.inner + n0, d_gate->typed_data() + r * s.inner + n1, uint16_t{0});
         std::fill(d_up->typed_data() + r * s.inner + n0, d_up->typed_data() + r * s.inner + n1, uint16_t{0});
         partials[n_block * s.rows + r] = 0.0f;
-      });
+      }));
   for (int64_t r = 0; r < s.rows; ++r) {
     float sum = 0.0f;
     for (int64_t b = 0; b < n_blocks; ++b) sum += partials[b * s.rows + r];
