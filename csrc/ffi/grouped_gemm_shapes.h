@@ -89,8 +89,8 @@ struct TgmmShape {
   int64_t rows, k, n, groups;
 };
 
-inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> out, int64_t offsets_count, int64_t sizes_count,
-                             TgmmShape* shape) {
+inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> out,
+                             int64_t offsets_count, int64_t sizes_count, TgmmShape* shape) {
   JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 2 && out.size() == 3, "jk_tgmm: lhs, rhs 2-D; out 3-D");
   JK_FFI_CHECK(rhs[0] == lhs[0], "jk_tgmm: lhs and rhs must have the same rows");
   JK_FFI_CHECK(out[1] == lhs[1] && out[2] == rhs[1], "jk_tgmm: out must be [G, K, N]");
