@@ -140,6 +140,8 @@ def main() -> None:
     run_case(args.run, shapes[args.shape], num_tokens)
     return
   names = list(shapes) if args.shapes is None else args.shapes.split(",")
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, "gemm_counters_h200.json")
   rows = []
   for name in names:
     for case in args.cases.split(","):
@@ -154,8 +156,6 @@ def main() -> None:
         print(f"    {metric}: {value}", flush=True)
       rows.append(row)
       # After every case: a caller's time limit may stop the run before the last.
-      os.makedirs(args.out_dir, exist_ok=True)
-      path = os.path.join(args.out_dir, "gemm_counters_h200.json")
       with open(path, "w") as f:
         json.dump({**common.metadata(), "rows": rows}, f, indent=1)
   print(f"wrote {path}")

@@ -62,7 +62,7 @@ ffi::Error for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_
   for (int32_t t = 0; scheduler.get(layout, t, &tile); ++t) {
     if (t % 2 == 0) {
       pair_first = tile;
-    } else if (scheduler.pair == 2) {
+    } else if (scheduler.n_blocks % 2 == 0) {  // the launch's condition for clusters (ffi/grouped_gemm_cuda.cu)
       JK_FFI_CHECK(tile.group == pair_first.group && tile.row0 == pair_first.row0 &&
                        tile.n_block == pair_first.n_block + 1 && tile.n_block % 2 == 1,
                    "row tile scheduler: tiles 2j and 2j + 1 must be one cluster's pair");
