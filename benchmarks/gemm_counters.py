@@ -5,10 +5,10 @@ traffic, warp stalls. Each case of a model shape's single-GPU slice (uniform rou
 process that launches its kernel a few times; `ncu` profiles the last launch only (a kernel-name filter and
 --launch-skip), with device memory not preallocated so that its replays save and restore little:
 
-  swiglu_rows       gmm_swiglu over rows gathered beforehand (TMA loads)    x_rows [R, H] x [G, H, 2I]
   swiglu_gathered   gmm_swiglu reading its rows from the tokens (cp.async)  x [T, H], row_tokens [R]
-  down              gmm                                                     act [R, I] x w_down [G, I, H]
   dense_gate        cuBLAS, the dense chain's gate GEMM (half the SwiGLU GEMM's FLOPs)  [G, R/G, H] x [G, H, I]
+  swiglu_rows       gmm_swiglu over rows gathered beforehand (TMA loads)    x_rows [R, H] x [G, H, 2I]
+  down              gmm                                                     act [R, I] x w_down [G, I, H]
   dense_down        cuBLAS, the dense chain's down GEMM                     [G, R/G, I] x [G, I, H]
 
   python3 benchmarks/gemm_counters.py --shapes kimi-k2,qwen3.5   # on the H200 (ncu on PATH): gemm_counters_h200.json
