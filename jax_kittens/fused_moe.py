@@ -90,15 +90,15 @@ class _Layout:
   def gmm(self, lhs, rhs, **kwargs):
     return grouped_matmul.gmm(lhs, rhs, self.offsets, self.sizes, **kwargs)
 
-  def tgmm(self, lhs, rhs, out_dtype, **kwargs):
+  def tgmm(self, lhs, rhs, out_dtype):
     slices = 1 if self.num_rows is None else _contraction_slices(self.num_rows, lhs.shape[1], rhs.shape[1])
     if slices == 1:
-      return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype, **kwargs)
+      return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype)
     # Slices of whole k steps (FEATURE_ALIGN rows); the last takes the rest.
     step = -(-self.num_rows // slices // grouped_matmul.FEATURE_ALIGN) * grouped_matmul.FEATURE_ALIGN
     bounds = np.minimum(np.arange(slices + 1) * step, self.num_rows)
     partials = grouped_matmul.tgmm(lhs, rhs, jnp.asarray(bounds, jnp.int32), jnp.asarray(np.diff(bounds), jnp.int32),
-                                   out_dtype=jnp.float32, **kwargs)
+                                   out_dtype=jnp.float32)
     # A chain of adds fixes the order of the sum (a reduce may be split differently by the compiler).
     return functools.reduce(jnp.add, list(partials)).astype(out_dtype)[None]
 
