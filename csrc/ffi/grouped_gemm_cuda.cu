@@ -124,11 +124,16 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
   return ffi::Error::Success();
 }
 
-// A gathered lhs is copied per CTA, so it runs without clusters.
+// A gathered lhs is copied per CTA, so it runs without clusters. The tile queue's counter comes from XLA's scratch
+// memory, zeroed on the stream.
 template <sm90::Mode kMode, bool kBMnMajor, typename OutT, bool kGatherLhs = false>
-ffi::Error launch(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params, int64_t max_tiles,
-                  int64_t n_blocks) {
+ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm90::TensorMaps& maps,
+                  sm90::Params params, int64_t max_tiles, int64_t n_blocks) {
   if (max_tiles <= 0) return ffi::Error::Success();
+  auto counter = scratch.Allocate(sizeof(int32_t));
+  JK_FFI_CHECK(counter.has_value(), "grouped GEMM: scratch allocation of the tile counter failed");
+  params.tile_counter = static_cast<int32_t*>(*counter);
+  JK_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream));
   if (kGatherLhs || n_blocks % 2 != 0) {
     return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGatherLhs>(stream, maps, params, max_tiles);
   }
@@ -156,9 +161,10 @@ ffi::Error check_features(const char* op, std::initializer_list<int64_t> dims) {
   return ffi::Error::Success();
 }
 
-ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2,
-                   ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets,
-                   ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> lhs,
+                   ffi::Buffer<ffi::BF16> lhs2, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2,
+                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
+                   bool transpose_rhs) {
   gg::GmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
                                        offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
@@ -187,17 +193,17 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<
   int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
   if (type == ffi::F32) {
-    return transpose_rhs ? launch<M::kGmm, false, float>(stream, maps, p, tiles, n_blocks)
-                         : launch<M::kGmm, true, float>(stream, maps, p, tiles, n_blocks);
+    return transpose_rhs ? launch<M::kGmm, false, float>(stream, scratch, maps, p, tiles, n_blocks)
+                         : launch<M::kGmm, true, float>(stream, scratch, maps, p, tiles, n_blocks);
   }
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.n));
-  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, maps, p, tiles, n_blocks)
-                       : launch<M::kGmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);
+  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, scratch, maps, p, tiles, n_blocks)
+                       : launch<M::kGmm, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
 }
 
-ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_tokens,
-                         ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets,
-                         ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> act,
+ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> x,
+                         ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
+                         ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> act,
                          ffi::ResultBuffer<ffi::BF16> gate_out, ffi::ResultBuffer<ffi::BF16> up_out,
                          float swiglu_limit) {
   gg::SwigluShape s;
@@ -235,8 +241,8 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kSwigluTileCols);
   int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
-  return s.gathered ? launch<M::kSwiglu, true, uint16_t, true>(stream, maps, p, tiles, n_blocks)
-                    : launch<M::kSwiglu, true, uint16_t>(stream, maps, p, tiles, n_blocks);
+  return s.gathered ? launch<M::kSwiglu, true, uint16_t, true>(stream, scratch, maps, p, tiles, n_blocks)
+                    : launch<M::kSwiglu, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
 }
 
 ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,
@@ -273,7 +279,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR((launch<sm90::Mode::kSwigluDgrad, false, uint16_t>(
-      stream, maps, p, row_tile_bound(s.rows, s.groups, n_blocks), n_blocks)));
+      stream, scratch, maps, p, row_tile_bound(s.rows, s.groups, n_blocks), n_blocks)));
   constexpr int kThreads = 256;
   sm90::sum_row_weight_partials<<<static_cast<unsigned>(gg::ceil_div(s.rows, kThreads)), kThreads, 0, stream>>>(
       p.row_weight_partials, static_cast<int32_t>(n_blocks), s.rows, d_row_weights->typed_data());
@@ -281,8 +287,9 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   return ffi::Error::Success();
 }
 
-ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs,
-                    ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> lhs,
+                    ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                    ffi::Result<ffi::AnyBuffer> out) {
   gg::TgmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), out->dimensions(),
                                         offsets.element_count(), sizes.element_count(), &s));
@@ -305,21 +312,23 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
-  if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, maps, p, tiles, n_blocks);
+  if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, scratch, maps, p, tiles, n_blocks);
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, 64));
-  return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, maps, p, tiles, n_blocks);
+  return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCudaHandler, GmmCuda,
                               gmm_signature(ffi::Ffi::Bind()
-                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_gmm", "CUDA", GmmCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCudaHandler, GmmSwigluCuda,
                               gmm_swiglu_signature(ffi::Ffi::Bind()
-                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                       .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_gmm_swiglu", "CUDA", GmmSwigluCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCudaHandler, GmmSwigluDgradCuda,
@@ -330,7 +339,8 @@ JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "CUDA", GmmSwigluDgradCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCudaHandler, TgmmCuda,
                               tgmm_signature(ffi::Ffi::Bind()
-                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                 .Ctx<ffi::ScratchAllocator>()));
 JK_REGISTER_FFI("jk_tgmm", "CUDA", TgmmCudaHandler);
 
 }  // namespace jk

@@ -62,13 +62,12 @@ struct RowTile {
 // the m blocks are cut into bands of at most kMaxBandBlocks (balanced: 20 blocks make two bands of 10), and a band's
 // tiles run m fastest, in n pairs: (m0, n0), (m0, n1), (m1, n0), (m1, n1), ..., (m0, n2), (m0, n3), ...
 // - Why m fastest: the CTAs running at one time then share each weight n block between all the band's m blocks,
-//   while the band's rows (at most 16 x 128 of them) stay in L2 across its n blocks. With n fastest, each wave of
-//   CTAs streamed a whole expert's weights from DRAM again (kimi-k2's gate/up GEMM read 15.4 GB where cuBLAS read
-//   2.9 GB for half its FLOPs, and ran at a 13% lower clock).
-// - Why n pairs: a 2-CTA cluster (blockIdx 2c, 2c + 1, both striding by the even grid) takes tiles 2j and 2j + 1,
-//   which must share their rows, for the lhs multicast. With an even n-block count every band has an even tile
-//   count, so 2j is always a pair's first tile. With an odd count there are no clusters, and pairs are single tiles.
-// The kernels' CTAs walk t = blockIdx.x, +gridDim.x, ...; the CPU twins walk every t, so CI covers the same
+//   while the band's rows (at most 16 x 128 of them) stay in L2 across its n blocks. This only holds while the tiles
+//   in flight are a contiguous run of the order, which the kernels' tile queue keeps (kernels/sm90/grouped_gemm.cuh).
+// - Why n pairs: a 2-CTA cluster claims tiles 2j and 2j + 1 together, which must share their rows, for the lhs
+//   multicast. With an even n-block count every band has an even tile count, so 2j is always a pair's first tile.
+//   With an odd count there are no clusters, and pairs are single tiles.
+// The kernels' CTAs claim increasing t from a counter; the CPU twins walk every t, so CI covers the same
 // decomposition. Queries must come with nondecreasing t (a forward-only cursor over the pseudo-groups).
 template <int kBlockM, int kBlockN>
 struct RowTileScheduler {

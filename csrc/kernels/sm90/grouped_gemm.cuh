@@ -9,9 +9,10 @@
 //    SwiGLU modes' 256 columns are the gate's 128 and then the up's, so both products come from one instruction).
 //    A consumer whose 64 rows hold no data (the short last tile of a group) issues none, and the tensor cores serve
 //    the other one alone. setmaxnreg moves registers from the producer to the consumers.
-//  - The tile scheduler runs on the device: every CTA walks the linear tile index blockIdx.x, +gridDim.x, ... and
-//    maps it to (group, m block, n block) from group_offsets, so nothing is synced to the host. Producer and
-//    consumers walk the same sequence; the decomposition is kernels/grouped_gemm.h's, which the CPU twins walk too.
+//  - The tile scheduler runs on the device: linear tile indices map to (group, m block, n block) through
+//    group_offsets, so nothing is synced to the host; the decomposition is kernels/grouped_gemm.h's, which the CPU
+//    twins walk too. CTAs (clusters) claim tiles in order from a global counter as they free up (see "Tile queue"),
+//    and the producer hands each claimed index to the CTA's consumers through a small shared-memory ring.
 //  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
 //    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
@@ -19,7 +20,8 @@
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
 //  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): the whole
 //    producer warpgroup then copies the lhs lines with cp.async (see "Gathered lhs"), without clusters.
-//  - Every mbarrier wait has a 20 s deadline (then __trap), so a broken pipeline fails the launch instead of hanging.
+//  - Every mbarrier wait but the tile queue's pop has a 20 s deadline (then __trap), so a broken pipeline fails the
+//    launch instead of hanging (the pop waits on a thread whose own waits have one).
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
@@ -55,7 +57,10 @@ constexpr int kABytes = kBlockM * kLineBytes;   // 16 KB
 constexpr int kBBytes = 256 * kLineBytes;       // 32 KB: 256 output columns (or gate 128 + up 128)
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kStagingBytes = 2 * 2 * kSubTileBytes;  // two 64 x 64 bf16 store buffers per consumer warpgroup
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8;
+constexpr int kTileSlots = 4;  // the tile queue's ring: tile indices claimed ahead of the slowest reader
+constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
+constexpr int kSmemBytes =
+    kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 + kQueueBytes;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
@@ -85,6 +90,7 @@ struct Params {
   const uint16_t* tokens;
   const int32_t* row_tokens;  // [R]
   int32_t num_tokens;
+  int32_t* tile_counter;  // zeroed before the launch: claims past each cluster's first tile
 };
 
 // The maps a target does not use are left zero and never read.
@@ -150,17 +156,33 @@ struct Scheduler {
 
 constexpr uint64_t kWaitTimeoutNs = 20ull * 1000 * 1000 * 1000;
 
-__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity) {
-  uint32_t addr = cute::cast_smem_ptr_to_uint(barrier);
-  uint64_t start = 0;
-  while (true) {
-    uint32_t done;
+// One test of phase `parity` of the barrier at shared-memory address addr (the instruction itself waits a while).
+// kClusterScope: the arrivals came from a peer CTA too (release at cluster scope), and what they publish is read
+// after the wait.
+template <bool kClusterScope>
+__device__ __forceinline__ bool try_wait_barrier(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  if constexpr (kClusterScope) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } else {
     asm volatile(
         "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
         : "=r"(done)
         : "r"(addr), "r"(parity)
         : "memory");
-    if (done) return;
+  }
+  return done != 0;
+}
+
+template <bool kClusterScope = false>
+__device__ __forceinline__ void wait_barrier_at(uint32_t addr, uint32_t parity) {
+  uint64_t start = 0;
+  while (!try_wait_barrier<kClusterScope>(addr, parity)) {
     uint64_t now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (start == 0) {
@@ -170,6 +192,102 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity)
     }
   }
 }
+
+__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity) {
+  wait_barrier_at(cute::cast_smem_ptr_to_uint(barrier), parity);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tile queue: which tiles a CTA runs, in which order.
+//
+// Tiles that share operands sit next to each other in the linear order (an n block's weights across a band's m
+// blocks, a tile's lhs across its cluster pair), and they only share them through L2 if they run at about the same
+// time. A fixed stride (t = blockIdx.x, +gridDim.x, ...) lets the CTAs drift apart: short tiles (a group's last m
+// block, one consumer idle) finish early and their CTA runs ahead, so after some waves the tiles in flight need not
+// share operands (with that stride, kimi-k2's gate/up GEMM read 15.8 GB from DRAM for ~4 GB of operands, banded
+// order or not). Claiming tiles from a counter keeps the tiles in flight a contiguous run of the order, and
+// balances ragged tile lengths at the end.
+//
+// The unit of a claim is a cluster's pair of tiles (kCluster * pair + rank). Each cluster's first pair is its own
+// index; later ones are gridDim.x / kCluster + atomicAdd(tile_counter, 1). Producer thread 0 of the cluster's rank 0
+// (the fetcher) claims a pair when it starts loading the tile and writes it into slot i % kTileSlots of every CTA of
+// the cluster, then arrives on the slot's full barrier there. The readers (the producer threads and the consumer
+// warps of each CTA) wait for it, read it and arrive on rank 0's empty barrier of the slot, which the fetcher waits
+// for before it writes the slot again. The pair past the last tile is published too: it stops every reader.
+
+template <int kCluster>
+struct TileQueue {
+  // kQueueBytes of shared memory from `base` on (the address alone, so that the consumers keep one register for
+  // it): full barriers [kTileSlots] (one arrival: the fetcher's), empty barriers [kTileSlots] (rank 0's count every
+  // reader warp of the cluster), then the claimed pairs int32 [kTileSlots].
+  uint32_t base;
+  uint32_t index = 0;
+
+  // The count of the empty barriers: per CTA, the producer's reader warps and the 8 consumer warps.
+  static constexpr int readers(bool gathered_lhs) { return kCluster * ((gathered_lhs ? 4 : 1) + 8); }
+
+  __device__ uint32_t full(uint32_t slot) const { return base + 8 * slot; }
+  __device__ uint32_t empty(uint32_t slot) const { return base + 8 * (kTileSlots + slot); }
+  __device__ uint32_t pair_at(uint32_t slot) const { return base + 16 * kTileSlots + 4 * slot; }
+
+  __device__ void init(bool gathered_lhs) const {
+    for (uint32_t slot = 0; slot < kTileSlots; ++slot) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full(slot)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty(slot)), "r"(readers(gathered_lhs))
+                   : "memory");
+    }
+  }
+
+  // The shared::cluster address of a shared-memory address of this CTA, in CTA `rank` of the cluster.
+  __device__ static uint32_t in_cta(uint32_t local, uint32_t rank) {
+    uint32_t peer;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(local), "r"(rank));
+    return peer;
+  }
+
+  // Arrives on a barrier of this CTA (kCluster == 1) or of CTA `rank`, releasing this thread's earlier accesses.
+  __device__ static void arrive(uint32_t barrier, uint32_t rank) {
+    if constexpr (kCluster == 1) {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+    } else {
+      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(in_cta(barrier, rank))
+                   : "memory");
+    }
+  }
+
+  // Fetcher only, before its own pop of the same index.
+  __device__ void publish(int32_t pair) const {
+    const uint32_t slot = index % kTileSlots;
+    wait_barrier_at<(kCluster > 1)>(empty(slot), ((index / kTileSlots) & 1) ^ 1);
+#pragma unroll
+    for (uint32_t rank = 0; rank < kCluster; ++rank) {
+      if constexpr (kCluster == 1) {
+        asm volatile("st.shared::cta.u32 [%0], %1;" ::"r"(pair_at(slot)), "r"(pair) : "memory");
+      } else {
+        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(in_cta(pair_at(slot), rank)), "r"(pair) : "memory");
+      }
+      arrive(full(slot), rank);
+    }
+  }
+
+  // Every reader: the next claimed pair. kWholeWarp: all 32 lanes call it and lane 0 arrives for them; otherwise
+  // a lone thread (producer thread 0 without a gathered lhs) arrives for itself.
+  // This wait alone has no deadline (one here cost the consumers ~2 KB of register spills in the dgrad kernel): the
+  // fetcher publishes every index up to the one past the last tile, unless one of its own waits, which have
+  // deadlines, traps first and ends the launch.
+  template <bool kWholeWarp>
+  __device__ int32_t pop() {
+    const uint32_t slot = index % kTileSlots;
+    while (!try_wait_barrier<(kCluster > 1)>(full(slot), (index / kTileSlots) & 1)) {
+    }
+    int32_t pair;
+    asm volatile("ld.shared::cta.u32 %0, [%1];" : "=r"(pair) : "r"(pair_at(slot)) : "memory");
+    if constexpr (kWholeWarp) __syncwarp();
+    if (!kWholeWarp || threadIdx.x % 32 == 0) arrive(empty(slot), 0);
+    ++index;
+    return pair;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Operand layouts.
@@ -644,7 +762,7 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
 // thread: 0 (TMA loads only) or, with a gathered lhs, 0..127 (thread 0 also issues the rhs loads).
 template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
-                                         uint64_t* empty, int thread) {
+                                         uint64_t* empty, TileQueue<kCluster>& queue, int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   if (thread == 0) {
     if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
@@ -653,10 +771,18 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
     cute::prefetch_tma_descriptor(&maps.b2);
   }
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
+  const bool fetcher = thread == 0 && rank == 0;
+  const int32_t clusters = gridDim.x / kCluster;
+  int32_t pair = blockIdx.x / kCluster;
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
-  for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
+  for (;;) {
+    if (fetcher) queue.publish(pair);
+    if (!scheduler.get(p, kCluster * queue.template pop<kGatherLhs>() + static_cast<int32_t>(rank), &tile)) break;
+    // Claimed now, when this CTA starts loading, so that the claims follow the order the CTAs free up in; the
+    // ring holds kStages steps of work over the atomic's latency.
+    if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
     const int32_t steps = scheduler.k_steps(p, tile);
     if (steps == 0) continue;
     GatherLines lines;
@@ -680,7 +806,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
 
 template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
-                                         uint64_t* full, uint64_t* empty) {
+                                         uint64_t* full, uint64_t* empty, TileQueue<kCluster>& queue) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
   const int consumer = threadIdx.x / 128 - 1;
@@ -689,11 +815,12 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int lane = threadIdx.x % 32;
   StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
                      threadIdx.x % 128 == 0};
+  const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   float acc[kAccumulators];
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
-  for (int32_t t = blockIdx.x; scheduler.get(p, t, &tile); t += gridDim.x) {
+  while (scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile)) {
     const int32_t steps = scheduler.k_steps(p, tile);
     // Waits for k step ks's stage (tgmm: and fixes it up) and returns its address.
     auto acquire = [&](int32_t ks) {
@@ -754,12 +881,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint8_t* staging = smem + kStages * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
+  TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(empty + kStages)};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? kFullArrivalsGathered : 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
     }
+    queue.init(kGatherLhs);
     cutlass::arch::fence_barrier_init();
   }
   // The peer multicasts into this CTA's stages and arrives on its barriers: they must be initialised first.
@@ -772,13 +901,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (kGatherLhs || threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster, kGatherLhs>(maps, p, smem, full, empty,
-                                                                                          threadIdx.x);
+                                                                                          queue, threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty);
+    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, queue);
   }
-  // Until its last k step the peer still multicasts into this CTA and arrives on its empty barriers: neither CTA of
-  // a cluster exits before both are done.
+  // Until its last k step the peer still multicasts into this CTA and arrives on its barriers (the stages' and the
+  // tile queue's): neither CTA of a cluster exits before both are done.
   if constexpr (kCluster > 1) {
     __syncwarp();
     cute::cluster_sync();
