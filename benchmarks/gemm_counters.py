@@ -12,6 +12,7 @@ process that launches its kernel a few times; `ncu` profiles the last launch onl
   dense_down        cuBLAS, the dense chain's down GEMM                     [G, R/G, I] x [G, I, H]
 
   python3 benchmarks/gemm_counters.py --shapes kimi-k2,qwen3.5   # on the H200 (ncu on PATH): gemm_counters_h200.json
+  python3 benchmarks/gemm_counters.py --source --shapes kimi-k2 --cases down   # per-instruction: gemm_source_h200.json
   python3 benchmarks/gemm_counters.py --run down --shape smoke-a --smoke   # one case's launches, no ncu
 """
 
@@ -124,11 +125,63 @@ def profile_case(case, shape_name, shape, num_tokens, ncu):
   return row
 
 
+SOURCE_TOP = 40  # instructions kept per case, by stall samples
+
+
+def number(text: str) -> float:
+  try:
+    return float(text.replace(",", ""))
+  except ValueError:
+    return 0.0
+
+
+def profile_source(case, shape_name, num_tokens, ncu, raw_dir):
+  """Per-SASS-instruction counters of one launch (ncu's source page): where the warps wait and what they issue.
+
+  Keeps the SOURCE_TOP instructions with the most warp-stall samples, and the totals; the whole table goes to
+  raw_dir (the GPU logs), not to the results.
+  """
+  kernel_filter, _ = CASES[case]
+  command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip", str(WARMUP_LAUNCHES),
+             "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source",
+             "no", "--csv", "--page", "source", "--print-source", "sass", sys.executable, os.path.abspath(__file__),
+             "--run", case, "--shape", shape_name]
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+  if result.returncode != 0:
+    raise RuntimeError(f"ncu exit {result.returncode}: {(result.stderr or result.stdout).strip()[-500:]}")
+  os.makedirs(raw_dir, exist_ok=True)
+  with open(os.path.join(raw_dir, f"source_{shape_name}_{case}.csv"), "w") as f:
+    f.write(result.stdout)
+  lines = result.stdout.splitlines()
+  header = next((n for n, line in enumerate(lines) if line.startswith('"') and "Source" in line), None)
+  if header is None:
+    raise RuntimeError("no source table in ncu's output")
+  table = list(csv.DictReader(io.StringIO("\n".join(lines[header:]))))
+  columns = list(table[0]) if table else []
+  def column(*words):
+    return next((c for c in columns if all(w.lower() in c.lower() for w in words)), None)
+  samples, not_issued = column("Warp Stall Sampling", "All"), column("Warp Stall Sampling", "Not")
+  executed = column("Instructions Executed")
+  source, address = column("Source"), column("Address")
+  rows = [{"address": r.get(address), "sass": (r.get(source) or "").strip(),
+           "samples": number(r.get(samples, "0")) if samples else 0.0,
+           "not_issued": number(r.get(not_issued, "0")) if not_issued else 0.0,
+           "executed": number(r.get(executed, "0")) if executed else 0.0} for r in table]
+  top = sorted(rows, key=lambda r: -r["samples"])[:SOURCE_TOP]
+  return {"shape": shape_name, "case": case, "columns": columns,
+          "total_samples": sum(r["samples"] for r in rows), "total_executed": sum(r["executed"] for r in rows),
+          "instructions": len(rows), "top": top}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (with --run: any platform)")
   parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
   parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (default: all)")
+  parser.add_argument("--source", action="store_true",
+                      help="per-instruction counters instead (gemm_source_h200.json; raw tables to --raw-dir)")
+  parser.add_argument("--raw-dir", default="/tmp/jk-logs")
   parser.add_argument("--run", default=None, help="internal: launch one case's kernels (what ncu profiles)")
   parser.add_argument("--shape", default=None, help="with --run: the model shape")
   parser.add_argument("--ncu", default="ncu")
@@ -141,6 +194,9 @@ def main() -> None:
     return
   names = list(shapes) if args.shapes is None else args.shapes.split(",")
   os.makedirs(args.out_dir, exist_ok=True)
+  if args.source:
+    source_main(args, names, num_tokens)
+    return
   path = os.path.join(args.out_dir, "gemm_counters_h200.json")
   rows = []
   for name in names:
@@ -156,6 +212,27 @@ def main() -> None:
         print(f"    {metric}: {value}", flush=True)
       rows.append(row)
       # After every case: a caller's time limit may stop the run before the last.
+      with open(path, "w") as f:
+        json.dump({**common.metadata(), "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+
+
+def source_main(args, names, num_tokens) -> None:
+  path = os.path.join(args.out_dir, "gemm_source_h200.json")
+  rows = []
+  for name in names:
+    for case in args.cases.split(","):
+      try:
+        row = profile_source(case, name, num_tokens, args.ncu, args.raw_dir)
+        print(f"{name:12s} {case:16s} {row['instructions']} instructions, {row['total_samples']:.0f} samples, "
+              f"{row['total_executed']:.3g} warp instructions executed", flush=True)
+        for r in row["top"][:15]:
+          print(f"    {r['samples']:8.0f} {r['not_issued']:8.0f} {r['executed']:10.0f}  {r['address']}  {r['sass']}",
+                flush=True)
+      except Exception as error:  # noqa: BLE001
+        row = {"shape": name, "case": case, "error": common.error_message(error)}
+        print(f"{name:12s} {case:16s} {row['error']}", flush=True)
+      rows.append(row)
       with open(path, "w") as f:
         json.dump({**common.metadata(), "rows": rows}, f, indent=1)
   print(f"wrote {path}")

@@ -157,32 +157,21 @@ struct Scheduler {
 constexpr uint64_t kWaitTimeoutNs = 20ull * 1000 * 1000 * 1000;
 
 // One test of phase `parity` of the barrier at shared-memory address addr (the instruction itself waits a while).
-// kClusterScope: the arrivals came from a peer CTA too (release at cluster scope), and what they publish is read
-// after the wait.
-template <bool kClusterScope>
+// CTA scope throughout, also where peer CTAs arrive: a cluster-scope release or acquire costs a MEMBAR.GPU or an L1
+// invalidation (CCTL.IVALL) per call, and nothing here needs one (see "Tile queue").
 __device__ __forceinline__ bool try_wait_barrier(uint32_t addr, uint32_t parity) {
   uint32_t done;
-  if constexpr (kClusterScope) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  }
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
   return done != 0;
 }
 
-template <bool kClusterScope = false>
 __device__ __forceinline__ void wait_barrier_at(uint32_t addr, uint32_t parity) {
   uint64_t start = 0;
-  while (!try_wait_barrier<kClusterScope>(addr, parity)) {
+  while (!try_wait_barrier(addr, parity)) {
     uint64_t now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (start == 0) {
@@ -211,9 +200,10 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity)
 // The unit of a claim is a cluster's pair of tiles (kCluster * pair + rank). Each cluster's first pair is its own
 // index; later ones are gridDim.x / kCluster + atomicAdd(tile_counter, 1). Producer thread 0 of the cluster's rank 0
 // (the fetcher) claims a pair when it starts loading the tile and writes it into slot i % kTileSlots of every CTA of
-// the cluster, then arrives on the slot's full barrier there. The readers (the producer threads and the consumer
-// warps of each CTA) wait for it, read it and arrive on rank 0's empty barrier of the slot, which the fetcher waits
-// for before it writes the slot again. The pair past the last tile is published too: it stops every reader.
+// the cluster, with the slot's full barrier there. The readers (the producer threads and the consumer warps of each
+// CTA) wait for it, read it and arrive on rank 0's empty barrier of the slot, which the fetcher waits for before it
+// writes the slot again (a CTA-scope arrival, like a consumer's release of a stage that the peer then refills). The
+// pair past the last tile is published too: it stops every reader.
 
 template <int kCluster>
 struct TileQueue {
@@ -245,28 +235,34 @@ struct TileQueue {
     return peer;
   }
 
-  // Arrives on a barrier of this CTA (kCluster == 1) or of CTA `rank`, releasing this thread's earlier accesses.
+  // Arrives on a barrier of this CTA (kCluster == 1) or of CTA `rank`.
   __device__ static void arrive(uint32_t barrier, uint32_t rank) {
     if constexpr (kCluster == 1) {
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
     } else {
-      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(in_cta(barrier, rank))
-                   : "memory");
+      asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(in_cta(barrier, rank)) : "memory");
     }
   }
 
-  // Fetcher only, before its own pop of the same index.
+  // Fetcher only, before its own pop of the same index. In a cluster the pair goes out by st.async, whose bytes
+  // complete the slot's full barrier in each CTA (the arrival expects them): a reader that sees the phase complete
+  // sees the pair, with no cluster-scope release.
   __device__ void publish(int32_t pair) const {
     const uint32_t slot = index % kTileSlots;
-    wait_barrier_at<(kCluster > 1)>(empty(slot), ((index / kTileSlots) & 1) ^ 1);
+    wait_barrier_at(empty(slot), ((index / kTileSlots) & 1) ^ 1);
+    if constexpr (kCluster == 1) {
+      asm volatile("st.shared::cta.u32 [%0], %1;" ::"r"(pair_at(slot)), "r"(pair) : "memory");
+      arrive(full(slot), 0);
+    } else {
 #pragma unroll
-    for (uint32_t rank = 0; rank < kCluster; ++rank) {
-      if constexpr (kCluster == 1) {
-        asm volatile("st.shared::cta.u32 [%0], %1;" ::"r"(pair_at(slot)), "r"(pair) : "memory");
-      } else {
-        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(in_cta(pair_at(slot), rank)), "r"(pair) : "memory");
+      for (uint32_t rank = 0; rank < kCluster; ++rank) {
+        const uint32_t full_there = in_cta(full(slot), rank);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], 4;" ::"r"(full_there) : "memory");
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(
+                         in_cta(pair_at(slot), rank)),
+                     "r"(pair), "r"(full_there)
+                     : "memory");
       }
-      arrive(full(slot), rank);
     }
   }
 
@@ -278,7 +274,7 @@ struct TileQueue {
   template <bool kWholeWarp>
   __device__ int32_t pop() {
     const uint32_t slot = index % kTileSlots;
-    while (!try_wait_barrier<(kCluster > 1)>(full(slot), (index / kTileSlots) & 1)) {
+    while (!try_wait_barrier(full(slot), (index / kTileSlots) & 1)) {
     }
     int32_t pair;
     asm volatile("ld.shared::cta.u32 %0, [%1];" : "=r"(pair) : "r"(pair_at(slot)) : "memory");
