@@ -52,10 +52,10 @@ def unsupported_reason(x, w_gate, shared_experts=None) -> str | None:
   return None
 
 
-# A weight gradient of one row group has ceil(K/128) * ceil(N/128) output tiles: 16 for the `small` config's
-# 512 x 512 shared expert, which would leave most of the H200's 132 SMs idle through 16384 rows of contraction.
+# A weight gradient of one row group has ceil(K/128) * ceil(N/256) output tiles, one CTA each: 8 for the `small`
+# config's 512 x 512 shared expert, which left 124 of the H200's 132 SMs idle through 16384 rows of contraction.
 # Such a group's rows are cut into slices of at least _MIN_SLICE_ROWS, enough for about _TARGET_TILES tiles.
-_TGMM_TILE = (128, 128)
+_TGMM_TILE = (128, 256)
 _TARGET_TILES = 256  # two waves over 132 SMs
 _MIN_SLICE_ROWS = 1024
 

@@ -32,7 +32,7 @@ def f64(a):
   return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
 
-def report(name, got, want, offsets=None, sizes=None, tile_cols=128):
+def report(name, got, want, offsets=None, sizes=None, tile_cols=256):
   g, w = f64(got), f64(want)
   bad = ~np.isclose(g, w, rtol=2e-2, atol=2e-2 * (np.abs(w).max() + 1e-30))
   err = np.linalg.norm(np.nan_to_num(g - w, nan=1e30)) / max(np.linalg.norm(w), 1e-30)
@@ -51,7 +51,7 @@ def report(name, got, want, offsets=None, sizes=None, tile_cols=128):
   elif bad.any() and g.ndim == 3:
     grp, m, n = np.nonzero(bad)
     line += f"\n    bad groups {np.unique(grp)}, m mod 128 //16 hist {np.bincount(m % 128 // 16, minlength=8)}, "
-    line += f"n mod 128 //16 hist {np.bincount(n % 128 // 16, minlength=8)}"
+    line += f"n mod 256 //32 hist {np.bincount(n % 256 // 32, minlength=8)}"
   print(line, flush=True)
 
 

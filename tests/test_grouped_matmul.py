@@ -100,7 +100,7 @@ def test_gmm_padded_layout(case, out_dtype):
   assert np.all(f64(out)[~is_data] == 0)
 
 
-@pytest.mark.parametrize("n", [512, 640])  # four 128-column blocks (cluster pairs on the GPU), five (none)
+@pytest.mark.parametrize("n", [512, 768])  # two 256-column blocks (cluster pairs on the GPU), three (none)
 def test_gmm_large_groups(n):
   """Groups of more than 16 row tiles, which the scheduler cuts into bands (17 tiles: 9 + 8)."""
   rng = np.random.default_rng(n)
@@ -360,11 +360,11 @@ def poison_device_memory(num_bytes):
   poison.delete()
 
 
-# Output widths on the GPU: an odd number of 128-column blocks runs single CTAs, an even one clusters of two (the last
+# Output widths on the GPU: an odd number of 256-column blocks runs single CTAs, an even one clusters of two (the last
 # block here half full); bf16 outputs of full row tiles leave through TMA stores, the rest from registers.
 # With k2, a second product over another K range (lhs2, rhs2: the layer's dx).
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k2", [(640, 0), (1472, 0), (640, 512)])
+@pytest.mark.parametrize("n,k2", [(768, 0), (1408, 0), (768, 512)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_gpu_gmm_outputs_fully_written(transpose_rhs, n, k2):
   rng = np.random.default_rng(11)

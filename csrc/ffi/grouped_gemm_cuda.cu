@@ -102,7 +102,7 @@ template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kG
 ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
                                int64_t max_tiles) {
   auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>;
-  // Once per device (both cost more than a launch): the ring's opt-in to more than the default 48 KB of
+  // Once per device (both cost more than a launch): the 4-stage ring's opt-in to more than the default 48 KB of
   // dynamic shared memory, then the count of co-resident clusters (the GPCs' SM counts can leave SMs over).
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached_clusters[kMaxDevices] = {};
@@ -175,11 +175,9 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buff
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1, kLhsBoxRows));
-  // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major box of a
-  // tile's columns.
+  // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major 256-row box.
   auto map_rhs = [&](CUtensorMap* map, const void* base, int64_t k) {
-    return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, gg::kTileCols)
-                         : weights_map(map, base, s.groups, k, s.n, 64);
+    return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256) : weights_map(map, base, s.groups, k, s.n, 64);
   };
   JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b, rhs.untyped_data(), s.k1));
   if (s.k2 > 0) {
@@ -267,7 +265,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   sm90::TensorMaps maps{};
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
-  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, gg::kTileCols));
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
   p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);

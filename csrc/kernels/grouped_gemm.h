@@ -157,8 +157,8 @@ JK_HOST_DEVICE bool contraction_tile(const GroupLayout& l, int32_t m_extent, int
 
 // Tile shapes of the sm90 kernels, which the CPU twins walk too.
 constexpr int kTileRows = 128;          // rows of every tile (ROW_ALIGN in Python)
-constexpr int kTileCols = 128;          // output columns of gmm, dgrad and tgmm tiles
-constexpr int kSwigluTileCols = 64;     // gate and up columns of a gmm_swiglu tile (64 + 64 products)
+constexpr int kTileCols = 256;          // output columns of gmm, dgrad and tgmm tiles
+constexpr int kSwigluTileCols = 128;    // gate and up columns of a gmm_swiglu tile (128 + 128 products)
 
 // The SwiGLU clamp: gate to (-inf, limit], up to [-limit, limit]; limit <= 0 means none (the attr carries a
 // positive limit or 0). Gradient factors follow JAX's min/max: 1 inside, 0 outside, 1/2 on the bound.

@@ -2,23 +2,21 @@
 // weight gradient, and tgmm (contraction over the ragged rows).
 //
 // One persistent, warp-specialized kernel template serves all four:
-//  - 384 threads: warpgroup 0 is the producer (one thread issues TMA loads into a 6-stage shared-memory ring, each
+//  - 384 threads: warpgroup 0 is the producer (one thread issues TMA loads into a 4-stage shared-memory ring, each
 //    stage guarded by a "full" mbarrier with the transaction byte count and an "empty" mbarrier the consumers
-//    arrive on); warpgroups 1 and 2 are consumers that take the CTA's 128 x 128 tiles in turns ("ping-pong"): each
-//    computes a whole tile, two m64n128k16 wgmmas (the tile's two 64-row halves) per 16-wide k slice (operands from
-//    shared memory, float32 accumulators in registers; a SwiGLU tile's 128 columns are the gate's 64 and then the
-//    up's, so both products come from one instruction). The two mainloops take turns too (an order barrier), so
-//    one consumer's epilogue runs while the other's mainloop keeps the tensor cores busy. A half tile without data
-//    (the short last tile of a group) gets no wgmma. setmaxnreg moves registers from the producer to the consumers.
+//    arrive on); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128-row tile and issuing one
+//    m64n256k16 wgmma per 16-wide k slice (operands from shared memory, float32 accumulators in registers; the
+//    SwiGLU modes' 256 columns are the gate's 128 and then the up's, so both products come from one instruction).
+//    A consumer whose 64 rows hold no data (the short last tile of a group) issues none, and the tensor cores serve
+//    the other one alone. setmaxnreg moves registers from the producer to the consumers.
 //  - The tile scheduler runs on the device: linear tile indices map to (group, m block, n block) through
 //    group_offsets, so nothing is synced to the host; the decomposition is kernels/grouped_gemm.h's, which the CPU
 //    twins walk too. CTAs (clusters) claim tiles in order from a global counter as they free up (see "Tile queue"),
 //    and the producer hands each claimed index to the CTA's consumers through a small shared-memory ring.
 //  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
 //    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
-//    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 32 KB to 24 KB; a stage
-//    is free again when the consumers of both CTAs have released it (8 warp arrivals on each CTA's empty barrier:
-//    the tile's owner in each CTA).
+//    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
+//    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
 //  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): the whole
 //    producer warpgroup then copies the lhs lines with cp.async (see "Gathered lhs"), without clusters.
@@ -27,10 +25,10 @@
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
-//  - Epilogues work on the accumulator fragments in registers, one 64-row half at a time. bf16 outputs go out in
-//    64 x 64 chunks through two swizzled staging buffers per consumer warpgroup and TMA stores, so the warpgroup
-//    starts its next tile while the copies drain; float32 outputs, and the rows of a half that ends inside the
-//    buffer short of 64 rows (the box would overwrite the next group's rows), are stored from registers.
+//  - Epilogues work on the accumulator fragments in registers. bf16 outputs go out in 64 x 64 chunks through two
+//    swizzled staging buffers per consumer warpgroup and TMA stores, so the warpgroup starts its next tile while the
+//    copies drain; float32 outputs, and the rows of a tile that ends inside the buffer short of 64 rows per
+//    warpgroup (the box would overwrite the next group's rows), are stored from registers.
 #pragma once
 
 #include <cuda.h>
@@ -49,22 +47,20 @@ namespace jk {
 namespace grouped_gemm {
 namespace sm90 {
 
-constexpr int kBlockM = kTileRows;  // 128 rows: two 64-row halves, one wgmma each per k slice
+constexpr int kBlockM = kTileRows;  // 128 rows: 2 consumer warpgroups x 64
 constexpr int kBlockK = 64;   // one 128-byte swizzled line of bf16
-constexpr int kStages = 6;
+constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kLineBytes = 128;
-constexpr int kSubTileBytes = 64 * kLineBytes;  // 64 lines: a 64-row half of the lhs, or one MN-major 64-wide chunk
+constexpr int kSubTileBytes = 64 * kLineBytes;  // 64 lines: one MN-major 64-wide chunk of a k step
 constexpr int kABytes = kBlockM * kLineBytes;   // 16 KB
-constexpr int kBColumns = 128;                  // rhs columns per stage: kTileCols outputs, or gate 64 + up 64
-constexpr int kBBytes = kBColumns * kLineBytes;  // 16 KB
+constexpr int kBBytes = 256 * kLineBytes;       // 32 KB: 256 output columns (or gate 128 + up 128)
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kStagingBytes = 2 * 2 * kSubTileBytes;  // two 64 x 64 bf16 store buffers per consumer warpgroup
 constexpr int kTileSlots = 4;  // the tile queue's ring: tile indices claimed ahead of the slowest reader
 constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
-constexpr int kOrderBytes = 2 * 8;  // the consumers' order barriers
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 +
-                           kQueueBytes + kOrderBytes;
+constexpr int kSmemBytes =
+    kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 + kQueueBytes;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
@@ -147,10 +143,10 @@ struct Scheduler {
     return tile.valid > 0 ? p.k_steps1 + p.k_steps2 : 0;
   }
 
-  // Whether the tile's second 64-row half holds data (tgmm: lies inside K, a multiple of 64), i.e. has products.
-  __device__ bool second_half_has_rows(const Params& p, const Tile& tile) const {
-    if constexpr (kMode == Mode::kTgmm) return tile.m0 + 64 < p.m_extent;
-    return 64 < tile.valid;
+  // Whether consumer c's 64 rows of the tile hold data (tgmm: lie inside K, a multiple of 64), i.e. have products.
+  __device__ bool consumer_has_rows(const Params& p, const Tile& tile, int consumer) const {
+    if constexpr (kMode == Mode::kTgmm) return tile.m0 + 64 * consumer < p.m_extent;
+    return 64 * consumer < tile.valid;
   }
 };
 
@@ -312,14 +308,12 @@ template <Mode kMode>
 struct OperandLayout {
   static constexpr bool kAMnMajor = kMode == Mode::kTgmm;
   static constexpr int kBlockN = kMode == Mode::kSwiglu ? kSwigluTileCols : kTileCols;  // output columns
-  static_assert(kMode == Mode::kSwiglu ? 2 * kBlockN == kBColumns : kBlockN == kBColumns, "stage width");
 };
 
-// A 64 x 128 float32 fragment of one tile half: 64 registers per thread, the two halves' 128 together. In the
-// SwiGLU mode up column j sits kUpOffset registers after gate column j (64 columns further along the fragment).
-constexpr int kHalfAccumulators = 64;
-constexpr int kAccumulators = 2 * kHalfAccumulators;
-constexpr int kUpOffset = 32;
+// A consumer's 64 x 256 float32 fragment: 128 registers per thread. In the SwiGLU mode up column j sits kUpOffset
+// registers after gate column j (128 columns further along the fragment).
+constexpr int kAccumulators = 128;
+constexpr int kUpOffset = 64;
 
 // ---------------------------------------------------------------------------------------------------------------
 // wgmma wrappers: expand the accumulator array into the instruction's register list.
@@ -330,13 +324,12 @@ __device__ __forceinline__ void mma_call(uint64_t desc_a, uint64_t desc_b, float
   Mma::fma(desc_a, desc_b, acc[I]..., scale);
 }
 
-// One half's m64n128k16 into its kHalfAccumulators registers.
 template <bool kAMn, bool kBMn>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float* acc, bool accumulate) {
   using cute::SM90::GMMA::Major;
-  using Mma = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<kAMn ? Major::MN : Major::K, kBMn ? Major::MN : Major::K>;
+  using Mma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kAMn ? Major::MN : Major::K, kBMn ? Major::MN : Major::K>;
   mma_call<Mma>(desc_a, desc_b, acc, accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
-                std::make_index_sequence<kHalfAccumulators>{});
+                std::make_index_sequence<kAccumulators>{});
 }
 
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
@@ -382,20 +375,22 @@ __device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p
 template <Mode kMode, bool kBMnMajor>
 __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
                                          uint8_t* b_smem, uint64_t* full) {
-  constexpr int kChunks = kBColumns / 64;
   if constexpr (kMode == Mode::kTgmm) {
     int32_t row = tile.row0 + ks * kBlockK;
-    for (int j = 0; j < kChunks; ++j)
+    for (int j = 0; j < 4; ++j)
       cute::SM90_TMA_LOAD_2D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, row);
-  } else if constexpr (kMode == Mode::kSwiglu) {  // one 128-column operand: the gate's 64 columns, then the up's
-    cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem, tile.n0, ks * kBlockK, tile.group);
-    cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + kSubTileBytes, tile.n0, ks * kBlockK,
-                                 tile.group);
+  } else if constexpr (kMode == Mode::kSwiglu) {  // one 256-column operand: the gate's 128 columns, then the up's
+    for (int j = 0; j < 2; ++j) {
+      cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
+                                   ks * kBlockK, tile.group);
+      cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + (2 + j) * kSubTileBytes,
+                                   tile.n0 + 64 * j, ks * kBlockK, tile.group);
+    }
   } else {
     const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
     int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
     if constexpr (kBMnMajor) {
-      for (int j = 0; j < kChunks; ++j)
+      for (int j = 0; j < 4; ++j)
         cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, k,
                                      tile.group);
     } else {
@@ -466,30 +461,28 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // ---------------------------------------------------------------------------------------------------------------
 // tgmm: the rows of a group's last k step past its end are zeroed in both operands, in shared memory before the
 // wgmma reads them (padding rows, and the next group's, may hold anything, even NaN). The stages are MN-major
-// sub-tiles of 64 lines (one per k-step row), a's two then b's two, contiguous; the tile owner's 128 threads zero
-// the bad lines' 16-byte chunks of each in turn.
-__device__ __forceinline__ void tgmm_zero_tail(const Tile& tile, int32_t ks, uint8_t* stage, int thread,
-                                               uint32_t barrier_id) {
-  constexpr int kSubTiles = (kABytes + kBBytes) / kSubTileBytes;
+// sub-tiles of 64 lines (one per k-step row), a's two then b's four, contiguous; the 256 consumer threads zero the
+// bad lines' 16-byte chunks of each in turn.
+__device__ __forceinline__ void tgmm_zero_tail(const Tile& tile, int32_t ks, uint8_t* stage, int consumer_thread) {
+  static_assert(kABytes + kBBytes == 6 * kSubTileBytes, "tgmm stage: six MN-major sub-tiles");
   const int32_t rows_here = tile.valid - ks * kBlockK;  // > 0
   if (rows_here >= kBlockK) return;
   const int bad_chunks = (kBlockK - rows_here) * 8;  // per sub-tile
-  for (int c = thread; c < kSubTiles * bad_chunks; c += 128) {
+  for (int c = consumer_thread; c < 6 * bad_chunks; c += 256) {
     const int sub = c / bad_chunks;
     const int rest = c - sub * bad_chunks;
     *reinterpret_cast<uint4*>(stage + sub * kSubTileBytes + (rows_here + (rest >> 3)) * kLineBytes + (rest & 7) * 16) =
         make_uint4(0, 0, 0, 0);
   }
   cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(128, barrier_id);
+  cutlass::arch::NamedBarrier::sync(256, 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Epilogues, one 64-row half of the tile at a time. Fragment of thread (warp w in its warpgroup, lane l): rows
-// w*16 + l/4 + 8h of the half's 64, columns 8j + 2(l%4) + {0,1} in acc[4j + 2h + {0,1}]. Outputs go out in
-// 64-column chunks.
+// Epilogues. Fragment of thread (warp w in its warpgroup, lane l): rows w*16 + l/4 + 8h of the warpgroup's 64,
+// columns 8j + 2(l%4) + {0,1} in acc[4j + 2h + {0,1}]. Outputs go out in 64-column chunks.
 
-// The half's row of the thread's fragment row h.
+// The warpgroup row of the thread's fragment row h.
 __device__ __forceinline__ int fragment_line(int warp, int lane, int h) { return warp * 16 + (lane >> 2) + 8 * h; }
 
 // One 64-column chunk of a bf16 output in fragment order: v[2 jj + h] packs columns 8 jj + 2(l%4) + {0,1} of the
@@ -545,42 +538,41 @@ struct StagedStore {
   }
 };
 
-// Where a half's rows of a tile are and which hold data.
+// Where the warpgroup's rows of a tile are and which hold data.
 struct EpilogueRows {
-  int32_t first;   // row (row-grouped: of the [R, *] buffer; tgmm: of the group's K) of the half's row 0
+  int32_t first;   // row (row-grouped: of the [R, *] buffer; tgmm: of the group's K) of the warpgroup's row 0
   bool data[2];    // fragment row h holds data (otherwise it is written as 0)
   bool written[2]; // fragment row h is inside the tile (and the tensor)
-  bool staged;     // the half's rows go out through TMA stores
+  bool staged;     // the warpgroup's rows go out through TMA stores
 };
 
 template <Mode kMode, typename OutT>
-__device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Tile& tile, bool has_data, int half,
+__device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Tile& tile, bool has_data, int consumer,
                                                       int warp, int lane) {
   EpilogueRows rows;
-  const int32_t half_row0 = half * 64;
+  const int32_t wg_row0 = consumer * 64;
   if constexpr (kMode == Mode::kTgmm) {
-    rows.first = tile.m0 + half_row0;
+    rows.first = tile.m0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
       rows.data[h] = has_data;
       rows.written[h] = rows.first + fragment_line(warp, lane, h) < p.m_extent;
     }
     rows.staged = sizeof(OutT) == 2 && rows.first < p.m_extent;  // the 3D map clips at K
   } else {
-    rows.first = tile.row0 + half_row0;
+    rows.first = tile.row0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
-      const int32_t r = half_row0 + fragment_line(warp, lane, h);
+      const int32_t r = wg_row0 + fragment_line(warp, lane, h);
       rows.data[h] = has_data && r < tile.valid;
       rows.written[h] = r < tile.written;
     }
     // A box of 64 rows may only run past the tile where the buffer ends (the map clips there).
-    const int32_t half_rows = tile.written - half_row0;
-    rows.staged =
-        sizeof(OutT) == 2 && (half_rows >= 64 || (half_rows > 0 && tile.row0 + tile.written == p.layout.rows));
+    const int32_t wg_rows = tile.written - wg_row0;
+    rows.staged = sizeof(OutT) == 2 && (wg_rows >= 64 || (wg_rows > 0 && tile.row0 + tile.written == p.layout.rows));
   }
   return rows;
 }
 
-// Chunk c of the half's fragment as bf16 pairs: pair_of(i) packs the two columns at acc[i], acc[i + 1]; zeros
+// Chunk c of the warpgroup's fragment as bf16 pairs: pair_of(i) packs the two columns at acc[i], acc[i + 1]; zeros
 // in rows without data. Rows are masked by selects, not skipped (see the SwiGLU chunks below).
 template <class PairOf>
 __device__ __forceinline__ ChunkPairs chunk_pairs(int c, const EpilogueRows& rows, PairOf pair_of) {
@@ -661,11 +653,11 @@ __device__ __forceinline__ void swiglu_dgrad_chunk(const float* acc, const Saved
   }
 }
 
-// Half `half` of the tile from its fragment acc [kHalfAccumulators].
 template <Mode kMode, int kBlockN, typename OutT>
 __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p, const Tile& tile, bool has_data,
-                                         const float* acc, int half, int warp, int lane, StagedStore& staged) {
-  const EpilogueRows rows = epilogue_rows<kMode, OutT>(p, tile, has_data, half, warp, lane);
+                                         const float* acc, int consumer, int warp, int lane,
+                                         StagedStore& staged) {
+  const EpilogueRows rows = epilogue_rows<kMode, OutT>(p, tile, has_data, consumer, warp, lane);
   const int col_in_chunk = 2 * (lane & 3);
   // Row-major [*, n] output o, offset to the tile's group (tgmm) and to the warpgroup's first row.
   auto out_rows = [&](int o) {
@@ -752,7 +744,7 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
 // ---------------------------------------------------------------------------------------------------------------
 // Roles.
 
-// A stage is free again when its consumer's warps in every CTA of the cluster (whose lhs half lives in it) are done.
+// A stage is free again when the consumer warps of every CTA of the cluster (whose lhs half lives in it) are done.
 template <int kCluster>
 __device__ __forceinline__ void release_stage(uint64_t* empty) {
   if constexpr (kCluster == 1) {
@@ -808,95 +800,67 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   if constexpr (kGatherLhs) asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// The consumers' mainloops take turns in the CTA's tile order: before the mainloop of its tile o >= 1 (the CTA's
-// o-th), a consumer waits until the other has issued every wgmma of tile o - 1. Besides keeping each epilogue under
-// the other consumer's mainloop, this keeps the stage waits sound: a consumer skips the other's stages unread, and
-// the turn means that every fill of the ring before its first stage has completed (the other consumer waited for
-// them), so no full barrier is tested for a parity more than one phase ahead of it.
-struct MainloopOrder {
-  uint64_t* done;  // [2]: consumer c's four warps arrive on done[c] after each of its mainloops
-
-  __device__ void wait_turn(int consumer, uint32_t ordinal) const {
-    if (ordinal > 0) wait_barrier(&done[consumer ^ 1], ((ordinal - 1) / 2) & 1);
-  }
-  __device__ void pass(int consumer, int lane) const {
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&done[consumer]);
-  }
-};
-
 template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
-                                         uint64_t* full, uint64_t* empty, TileQueue<kCluster>& queue,
-                                         MainloopOrder order) {
+                                         uint64_t* full, uint64_t* empty, TileQueue<kCluster>& queue) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
   const int consumer = threadIdx.x / 128 - 1;
-  const int thread = threadIdx.x % 128;
-  const int warp = thread / 32;
-  const int lane = thread % 32;
-  const uint32_t barrier_id = 2 + consumer;  // named barrier of the consumer's 128 threads
-  StagedStore staged{staging + consumer * 2 * kSubTileBytes, barrier_id, thread == 0};
+  const int consumer_thread = threadIdx.x - 128;
+  const int warp = (threadIdx.x % 128) / 32;
+  const int lane = threadIdx.x % 32;
+  StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
+                     threadIdx.x % 128 == 0};
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   float acc[kAccumulators];
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
-  uint32_t it = 0;       // ring position of the next k step, the other consumer's included
-  uint32_t ordinal = 0;  // the CTA's tiles so far: even ones are consumer 0's, odd ones consumer 1's
+  uint32_t it = 0;
   while (scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile)) {
     const int32_t steps = scheduler.k_steps(p, tile);
-    if (static_cast<int>(ordinal % 2) != consumer) {
-      ++ordinal;
-      it += steps;
-      continue;
-    }
-    order.wait_turn(consumer, ordinal++);
-    // k steps over the tile's first kHalves halves (1: the second has no data, and gets no wgmma). One loop per
-    // count keeps the wgmma loop free of branches, which ptxas would otherwise answer by waiting for every wgmma
-    // before issuing the next.
-    auto mainloop = [&](auto halves) {
-      constexpr int kHalves = decltype(halves)::value;
+    // Waits for k step ks's stage (tgmm: and fixes it up) and returns its address.
+    auto acquire = [&](int32_t ks) {
+      const uint32_t stage = it % kStages;
+      wait_barrier(&full[stage], (it / kStages) & 1);
+      uint8_t* a_smem = smem + stage * kStageBytes;
+      // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
+      if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
+      if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, a_smem, consumer_thread);
+      return a_smem;
+    };
+    if (scheduler.consumer_has_rows(p, tile, consumer)) {
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-        const uint32_t stage = it % kStages;
-        wait_barrier(&full[stage], (it / kStages) & 1);
-        uint8_t* a_smem = smem + stage * kStageBytes;
-        // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
-        if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
-        if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, a_smem, thread, barrier_id);
-        // A half of the lhs is kSubTileBytes on (K-major: 64 rows; MN-major: the second 64-wide chunk).
-        const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
-        const uint32_t b_addr = a_addr + kABytes;
+        uint8_t* a_smem = acquire(ks);
+        const int a_offset = consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes);  // the consumer's 64 rows
+        const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem + a_offset);
+        const uint32_t b_addr = cute::cast_smem_ptr_to_uint(a_smem + kABytes);
         fence_accumulators(acc);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          const uint64_t desc_a = smem_descriptor(a_addr + kk * k16_advance(kAMn), kAMn);
           const uint64_t desc_b = smem_descriptor(b_addr + kk * k16_advance(kBMnMajor), kBMnMajor);
-#pragma unroll
-          for (int half = 0; half < kHalves; ++half) {
-            const uint64_t desc_a = smem_descriptor(a_addr + half * kSubTileBytes + kk * k16_advance(kAMn), kAMn);
-            wgmma<kAMn, kBMnMajor>(desc_a, desc_b, acc + half * kHalfAccumulators, ks > 0 || kk > 0);
-          }
+          wgmma<kAMn, kBMnMajor>(desc_a, desc_b, acc, ks > 0 || kk > 0);
         }
         cute::warpgroup_commit_batch();
-        // Keep this step's wgmmas in flight while releasing the previous step's stage.
+        // Keep this step's wgmma in flight while releasing the previous step's stage.
         cute::warpgroup_wait<1>();
         fence_accumulators(acc);
         if (ks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
       }
-    };
-    if (scheduler.second_half_has_rows(p, tile)) {
-      mainloop(std::integral_constant<int, 2>{});
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc);
+      if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
     } else {
-      mainloop(std::integral_constant<int, 1>{});
+      // No data in this consumer's 64 rows (they are written as zeros): it only takes part in the stage hand-offs,
+      // and the tensor cores serve the other consumer alone. A separate loop keeps the wgmma loop above free of
+      // branches, which ptxas would otherwise answer by waiting for every wgmma before issuing the next.
+      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+        acquire(ks);
+        if (lane == 0) release_stage<kCluster>(&empty[it % kStages]);
+      }
     }
-    order.pass(consumer, lane);
-    cute::warpgroup_wait<0>();
-    fence_accumulators(acc);
-    if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc + half * kHalfAccumulators, half, warp, lane,
-                                     staged);
-    }
+    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
   }
   staged.drain();
 }
@@ -914,15 +878,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
   TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(empty + kStages)};
-  const MainloopOrder order{empty + kStages + kQueueBytes / 8};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? kFullArrivalsGathered : 1);
-      // One arrival per warp of the stage's consumer in each CTA of the cluster.
-      cutlass::arch::ClusterBarrier::init(&empty[s], 4 * kCluster);
+      cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
     }
-    for (int c = 0; c < 2; ++c) cutlass::arch::ClusterBarrier::init(&order.done[c], 4);
     queue.init(kGatherLhs);
     cutlass::arch::fence_barrier_init();
   }
@@ -939,7 +900,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
                                                                                           queue, threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, queue, order);
+    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, queue);
   }
   // Until its last k step the peer still multicasts into this CTA and arrives on its barriers (the stages' and the
   // tile queue's): neither CTA of a cluster exits before both are done.
