@@ -205,6 +205,13 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity)
 // writes the slot again (a CTA-scope arrival, like a consumer's release of a stage that the peer then refills). The
 // pair past the last tile is published too: it stops every reader.
 
+// The shared::cluster address of a shared-memory address of this CTA, in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t in_cta(uint32_t local, uint32_t rank) {
+  uint32_t peer;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(local), "r"(rank));
+  return peer;
+}
+
 template <int kCluster>
 struct TileQueue {
   // kQueueBytes of shared memory from `base` on (the address alone, so that the consumers keep one register for
@@ -226,13 +233,6 @@ struct TileQueue {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty(slot)), "r"(readers(gathered_lhs))
                    : "memory");
     }
-  }
-
-  // The shared::cluster address of a shared-memory address of this CTA, in CTA `rank` of the cluster.
-  __device__ static uint32_t in_cta(uint32_t local, uint32_t rank) {
-    uint32_t peer;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(local), "r"(rank));
-    return peer;
   }
 
   // Arrives on a barrier of this CTA (kCluster == 1) or of CTA `rank`.
@@ -290,19 +290,23 @@ struct TileQueue {
 
 // Matrix descriptor of a 128-byte-swizzled tile (1024-byte aligned). K-major: lines are MN rows of 64 K values,
 // 8-row groups 1 KB apart. MN-major: lines are K rows of 64 MN values, 8-row groups 1 KB apart, 64-wide MN chunks
-// kSubTileBytes apart.
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t smem_addr, bool mn_major) {
-  uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
-  uint64_t leading = mn_major ? (kSubTileBytes >> 4) : 1;
-  desc |= leading << 16;
-  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
-  desc |= 1ull << 62;  // 128-byte swizzle
-  return desc;
+// kSubTileBytes apart. The low word holds the start address (16-byte units, bits 0-13) and the leading byte offset;
+// the high word, the same for every operand, the 8-row stride and the swizzle mode.
+constexpr uint32_t kDescriptorHigh = (1024 >> 4) | (1u << 30);  // stride 1 KB; 128-byte swizzle (bit 62)
+
+__device__ __forceinline__ uint32_t descriptor_low(uint32_t smem_addr, bool mn_major) {
+  const uint32_t leading = mn_major ? (kSubTileBytes >> 4) : 1;
+  return ((smem_addr & 0x3FFFF) >> 4) | (leading << 16);
 }
 
-// Bytes the descriptor start moves per k16 step.
-constexpr uint32_t k16_advance(bool mn_major) { return mn_major ? 2 * 1024 : 32; }
+// A start address moved inside the shared-memory window (< 256 KB) stays inside the 14-bit field, so stages and
+// k16 slices are one add on the low word (offset in 16-byte units).
+__device__ __forceinline__ uint64_t descriptor(uint32_t low, uint32_t offset) {
+  return (static_cast<uint64_t>(kDescriptorHigh) << 32) | (low + offset);
+}
+
+// 16-byte units the descriptor start moves per k16 step.
+constexpr uint32_t k16_advance(bool mn_major) { return (mn_major ? 2 * 1024 : 32) >> 4; }
 
 template <Mode kMode>
 struct OperandLayout {
@@ -745,15 +749,30 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
 // Roles.
 
 // A stage is free again when the consumer warps of every CTA of the cluster (whose lhs half lives in it) are done.
+// The empty barriers as seen from the consumers: stage s's barrier in CTA c is at barrier0[c] + 8 s (a CTA's
+// shared::cluster window is contiguous), so a release is an add and the arrivals.
 template <int kCluster>
-__device__ __forceinline__ void release_stage(uint64_t* empty) {
-  if constexpr (kCluster == 1) {
-    cutlass::arch::ClusterBarrier::arrive(empty);
-  } else {
+struct StageRelease {
+  uint32_t barrier0[kCluster];
+
+  __device__ explicit StageRelease(uint64_t* empty) {
+    const uint32_t local = cute::cast_smem_ptr_to_uint(empty);
 #pragma unroll
-    for (uint32_t cta = 0; cta < kCluster; ++cta) cutlass::arch::ClusterBarrier::arrive(empty, cta, 1);
+    for (uint32_t cta = 0; cta < kCluster; ++cta)
+      barrier0[cta] = kCluster == 1 ? local : in_cta(local, cta);
   }
-}
+
+  __device__ __forceinline__ void operator()(uint32_t stage) const {
+#pragma unroll
+    for (uint32_t cta = 0; cta < kCluster; ++cta) {
+      if constexpr (kCluster == 1) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier0[cta] + 8 * stage) : "memory");
+      } else {
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(barrier0[cta] + 8 * stage) : "memory");
+      }
+    }
+  }
+};
 
 // thread: 0 (TMA loads only) or, with a gathered lhs, 0..127 (thread 0 also issues the rhs loads).
 template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
@@ -805,59 +824,67 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
                                          uint64_t* full, uint64_t* empty, TileQueue<kCluster>& queue) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
-  const int consumer = threadIdx.x / 128 - 1;
+  // Broadcast from lane 0, so that the compiler knows them warp-uniform and keeps the k loop's stage arithmetic
+  // and descriptors in uniform registers.
+  const int consumer = __shfl_sync(0xFFFFFFFF, static_cast<int>(threadIdx.x / 128), 0) - 1;
   const int consumer_thread = threadIdx.x - 128;
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
   StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
                      threadIdx.x % 128 == 0};
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
+  // Stage 0's full barrier and the consumer's operands there; stage s is kStageBytes (barrier: 8 bytes) further.
+  const uint32_t full0 = cute::cast_smem_ptr_to_uint(full);
+  const uint32_t stage0 = cute::cast_smem_ptr_to_uint(smem);
+  const uint32_t a_desc0 = descriptor_low(stage0 + consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes), kAMn);
+  const uint32_t b_desc0 = descriptor_low(stage0 + kABytes, kBMnMajor);
+  const StageRelease<kCluster> release(empty);
   float acc[kAccumulators];
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
-  while (scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile)) {
-    const int32_t steps = scheduler.k_steps(p, tile);
-    // Waits for k step ks's stage (tgmm: and fixes it up) and returns its address.
-    auto acquire = [&](int32_t ks) {
-      const uint32_t stage = it % kStages;
-      wait_barrier(&full[stage], (it / kStages) & 1);
-      uint8_t* a_smem = smem + stage * kStageBytes;
+  // The tile loop's conditions are votes (warp-uniform, as far as the compiler knows), so the stage counter stays
+  // in uniform registers too.
+  for (;;) {
+    const bool more = scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile);
+    if (!__any_sync(0xFFFFFFFF, more)) break;
+    const int32_t steps = __shfl_sync(0xFFFFFFFF, scheduler.k_steps(p, tile), 0);
+    // Waits for the stage of k step ks (tgmm: and fixes it up).
+    auto acquire = [&](int32_t ks, uint32_t stage) {
+      wait_barrier_at(full0 + 8 * stage, (it / kStages) & 1);
       // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
       if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
-      if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, a_smem, consumer_thread);
-      return a_smem;
+      if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
-    if (scheduler.consumer_has_rows(p, tile, consumer)) {
+    if (__any_sync(0xFFFFFFFF, scheduler.consumer_has_rows(p, tile, consumer))) {
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-        uint8_t* a_smem = acquire(ks);
-        const int a_offset = consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes);  // the consumer's 64 rows
-        const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem + a_offset);
-        const uint32_t b_addr = cute::cast_smem_ptr_to_uint(a_smem + kABytes);
+        const uint32_t stage = it % kStages;
+        acquire(ks, stage);
+        const uint32_t stage_offset = stage * (kStageBytes >> 4);
         fence_accumulators(acc);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t desc_a = smem_descriptor(a_addr + kk * k16_advance(kAMn), kAMn);
-          const uint64_t desc_b = smem_descriptor(b_addr + kk * k16_advance(kBMnMajor), kBMnMajor);
-          wgmma<kAMn, kBMnMajor>(desc_a, desc_b, acc, ks > 0 || kk > 0);
+          wgmma<kAMn, kBMnMajor>(descriptor(a_desc0, stage_offset + kk * k16_advance(kAMn)),
+                                 descriptor(b_desc0, stage_offset + kk * k16_advance(kBMnMajor)), acc,
+                                 ks > 0 || kk > 0);
         }
         cute::warpgroup_commit_batch();
         // Keep this step's wgmma in flight while releasing the previous step's stage.
         cute::warpgroup_wait<1>();
         fence_accumulators(acc);
-        if (ks > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
+        if (ks > 0 && lane == 0) release((it - 1) % kStages);
       }
       cute::warpgroup_wait<0>();
       fence_accumulators(acc);
-      if (steps > 0 && lane == 0) release_stage<kCluster>(&empty[(it - 1) % kStages]);
+      if (steps > 0 && lane == 0) release((it - 1) % kStages);
     } else {
       // No data in this consumer's 64 rows (they are written as zeros): it only takes part in the stage hand-offs,
       // and the tensor cores serve the other consumer alone. A separate loop keeps the wgmma loop above free of
       // branches, which ptxas would otherwise answer by waiting for every wgmma before issuing the next.
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-        acquire(ks);
-        if (lane == 0) release_stage<kCluster>(&empty[it % kStages]);
+        acquire(ks, it % kStages);
+        if (lane == 0) release(it % kStages);
       }
     }
     epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
