@@ -75,9 +75,9 @@ ffi::Error weights_map(CUtensorMap* map, const void* base, int64_t groups, int64
 // The lhs arrives in 64-row halves of the 128-row tile (one per CTA of a cluster).
 constexpr uint32_t kLhsBoxRows = 64;
 
-// A bf16 [rows, cols] output written in the kernels' 64 x 64 chunks.
+// A bf16 [rows, cols] output written in the kernels' kStoreRows x 64 chunks.
 ffi::Error output_map(CUtensorMap* map, void* base, int64_t rows, int64_t cols) {
-  return matrix_map(map, base, rows, cols, 64);
+  return matrix_map(map, base, rows, cols, sm90::kStoreRows);
 }
 
 // Launch configuration of the kernels: 384 threads, the full shared-memory ring, clusters of cluster_size CTAs.
@@ -313,7 +313,7 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buf
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
   if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, scratch, maps, p, tiles, n_blocks);
-  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, 64));
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, sm90::kStoreRows));
   return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
 }
 

@@ -25,10 +25,11 @@
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
-//  - Epilogues work on the accumulator fragments in registers. bf16 outputs go out in 64 x 64 chunks through two
-//    swizzled staging buffers per consumer warpgroup and TMA stores, so the warpgroup starts its next tile while the
-//    copies drain; float32 outputs, and the rows of a tile that ends inside the buffer short of 64 rows per
-//    warpgroup (the box would overwrite the next group's rows), are stored from registers.
+//  - Epilogues work on the accumulator fragments in registers. bf16 outputs go out in 16 x 64 chunks, each warp its
+//    own 16 rows, through two swizzled staging buffers per warp (stmatrix) and TMA stores, so a warp moves on
+//    without waiting for the others and starts its next tile while the copies drain; float32 outputs, and the rows
+//    of a tile that ends inside the buffer short of 16 rows per warp (the box would overwrite the next group's
+//    rows), are stored from registers.
 #pragma once
 
 #include <cuda.h>
@@ -56,7 +57,9 @@ constexpr int kSubTileBytes = 64 * kLineBytes;  // 64 lines: one MN-major 64-wid
 constexpr int kABytes = kBlockM * kLineBytes;   // 16 KB
 constexpr int kBBytes = 256 * kLineBytes;       // 32 KB: 256 output columns (or gate 128 + up 128)
 constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kStagingBytes = 2 * 2 * kSubTileBytes;  // two 64 x 64 bf16 store buffers per consumer warpgroup
+constexpr int kStoreRows = 16;  // a consumer warp's rows of its fragment: each warp stores its own boxes
+constexpr int kStoreBytes = kStoreRows * kLineBytes;  // 2 KB: 16 x 64 bf16
+constexpr int kStagingBytes = 8 * 2 * kStoreBytes;    // two store buffers per consumer warp
 constexpr int kTileSlots = 4;  // the tile queue's ring: tile indices claimed ahead of the slowest reader
 constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
 constexpr int kSmemBytes =
@@ -99,7 +102,7 @@ struct TensorMaps {
   CUtensorMap a2;  // lhs2 (gmm with a second K range)
   CUtensorMap b;   // rhs (gmm, tgmm, dgrad) or w_gate (swiglu)
   CUtensorMap b2;  // rhs2 (gmm) or w_up (swiglu)
-  // bf16 outputs, 64 x 64 boxes: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up [R, I];
+  // bf16 outputs, boxes of kStoreRows x 64: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up [R, I];
   // tgmm out [G, K, N]. Unused (never read) for float32 outputs.
   CUtensorMap out[3];
 };
@@ -495,41 +498,41 @@ struct ChunkPairs {
   uint32_t v[16];
 };
 
-// bf16 chunks through shared memory: each goes into one of the warpgroup's two 128-byte-swizzled staging buffers
-// and out through one TMA store (which clips rows and columns past the tensor's end).
+// bf16 chunks through shared memory, per warp: the warp's 16 rows of a chunk go into one of its two
+// 128-byte-swizzled staging buffers (four stmatrix: the fragment's 8 x 8 blocks are stmatrix's matrices) and out
+// through one TMA store (which clips rows and columns past the tensor's end). No other warp takes part, so the
+// warps of a consumer do not wait for each other in the epilogue.
 struct StagedStore {
-  uint8_t* buffers;     // 2 x kSubTileBytes, 1024-byte aligned
-  uint32_t barrier_id;  // named barrier of the warpgroup's 128 threads
-  bool leader;          // the thread that issues and waits for the TMA stores
-  uint32_t issued = 0;  // chunks stored so far: the same count on every thread of the warpgroup
+  uint32_t buffers;     // shared-memory address of 2 x kStoreBytes, 1024-byte aligned
+  uint32_t issued = 0;  // chunks stored so far: the same count on every lane
 
-  // coords: (column, row) of a 2D map or (column, row, group) of a 3D one.
+  // coords: (column, row) of a 2D map or (column, row, group) of a 3D one, of the warp's first row.
   template <int kRank>
-  __device__ __forceinline__ void store(const CUtensorMap* map, const ChunkPairs& pairs, int warp, int lane,
-                                        int32_t x, int32_t y, int32_t z) {
-    uint8_t* buffer = buffers + (issued & 1) * kSubTileBytes;
+  __device__ __forceinline__ void store(const CUtensorMap* map, const ChunkPairs& pairs, int lane, int32_t x,
+                                        int32_t y, int32_t z) {
+    const uint32_t buffer = buffers + (issued & 1) * kStoreBytes;
     if (issued >= 2) {  // the store issued two chunks ago read this buffer: it must be done reading
-      if (leader) cute::tma_store_wait<1>();
-      cutlass::arch::NamedBarrier::sync(128, barrier_id);
+      if (lane == 0) cute::tma_store_wait<1>();
+      __syncwarp();
     }
+    // stmatrix q stores the blocks (jj, h) = (2q + i / 2, i % 2) of registers v[4q + i]; lane t addresses row t % 8
+    // of block t / 8, i.e. line 8 h + t % 8 of the buffer, whose 16-byte chunk jj the swizzle puts at jj ^ (t % 8).
+    const uint32_t line = 8 * ((lane >> 3) & 1) + (lane & 7);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int line = fragment_line(warp, lane, h);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        // 128-byte swizzle: 16-byte chunk jj of line r sits at chunk jj ^ (r % 8). One row per quad, eight rows
-        // per store instruction, so the 32 lanes hit 32 different banks.
-        *reinterpret_cast<uint32_t*>(buffer + line * kLineBytes + ((jj ^ (line & 7)) << 4) + ((lane & 3) << 2)) =
-            pairs.v[2 * jj + h];
-      }
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t addr = buffer + line * kLineBytes + (((2 * q + (lane >> 4)) ^ (lane & 7)) << 4);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                   "r"(pairs.v[4 * q]), "r"(pairs.v[4 * q + 1]), "r"(pairs.v[4 * q + 2]), "r"(pairs.v[4 * q + 3])
+                   : "memory");
     }
     cute::tma_store_fence();  // the generic-proxy writes must be visible to the TMA (async proxy)
-    cutlass::arch::NamedBarrier::sync(128, barrier_id);
-    if (leader) {
+    __syncwarp();
+    if (lane == 0) {
+      void* smem = __cvta_shared_to_generic(buffer);
       if constexpr (kRank == 2) {
-        cute::SM90_TMA_STORE_2D::copy(map, buffer, x, y);
+        cute::SM90_TMA_STORE_2D::copy(map, smem, x, y);
       } else {
-        cute::SM90_TMA_STORE_3D::copy(map, buffer, x, y, z);
+        cute::SM90_TMA_STORE_3D::copy(map, smem, x, y, z);
       }
       cute::tma_store_arrive();
     }
@@ -537,8 +540,8 @@ struct StagedStore {
   }
 
   // Shared memory must outlive the stores' reads of it.
-  __device__ __forceinline__ void drain() const {
-    if (leader) cute::tma_store_wait<0>();
+  __device__ __forceinline__ void drain(int lane) const {
+    if (lane == 0) cute::tma_store_wait<0>();
   }
 };
 
@@ -547,7 +550,7 @@ struct EpilogueRows {
   int32_t first;   // row (row-grouped: of the [R, *] buffer; tgmm: of the group's K) of the warpgroup's row 0
   bool data[2];    // fragment row h holds data (otherwise it is written as 0)
   bool written[2]; // fragment row h is inside the tile (and the tensor)
-  bool staged;     // the warpgroup's rows go out through TMA stores
+  bool staged;     // the warp's rows go out through TMA stores
 };
 
 template <Mode kMode, typename OutT>
@@ -561,7 +564,7 @@ __device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Til
       rows.data[h] = has_data;
       rows.written[h] = rows.first + fragment_line(warp, lane, h) < p.m_extent;
     }
-    rows.staged = sizeof(OutT) == 2 && rows.first < p.m_extent;  // the 3D map clips at K
+    rows.staged = sizeof(OutT) == 2 && rows.first + kStoreRows * warp < p.m_extent;  // the 3D map clips at K
   } else {
     rows.first = tile.row0 + wg_row0;
     for (int h = 0; h < 2; ++h) {
@@ -569,9 +572,10 @@ __device__ __forceinline__ EpilogueRows epilogue_rows(const Params& p, const Til
       rows.data[h] = has_data && r < tile.valid;
       rows.written[h] = r < tile.written;
     }
-    // A box of 64 rows may only run past the tile where the buffer ends (the map clips there).
-    const int32_t wg_rows = tile.written - wg_row0;
-    rows.staged = sizeof(OutT) == 2 && (wg_rows >= 64 || (wg_rows > 0 && tile.row0 + tile.written == p.layout.rows));
+    // A warp's box of 16 rows may only run past the tile where the buffer ends (the map clips there).
+    const int32_t warp_rows = tile.written - wg_row0 - kStoreRows * warp;
+    rows.staged = sizeof(OutT) == 2 &&
+                  (warp_rows >= kStoreRows || (warp_rows > 0 && tile.row0 + tile.written == p.layout.rows));
   }
   return rows;
 }
@@ -688,9 +692,9 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     if (!rows.staged) {
       store_from_registers(o, c, [&](int h, int jj) { return pairs.v[2 * jj + h]; });
     } else if constexpr (kMode == Mode::kTgmm) {
-      staged.store<3>(&maps.out[o], pairs, warp, lane, col0, rows.first, tile.group);
+      staged.store<3>(&maps.out[o], pairs, lane, col0, rows.first + kStoreRows * warp, tile.group);
     } else {
-      staged.store<2>(&maps.out[o], pairs, warp, lane, col0, rows.first, 0);
+      staged.store<2>(&maps.out[o], pairs, lane, col0, rows.first + kStoreRows * warp, 0);
     }
   };
 
@@ -830,8 +834,7 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int consumer_thread = threadIdx.x - 128;
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
-  StagedStore staged{staging + consumer * 2 * kSubTileBytes, static_cast<uint32_t>(2 + consumer),
-                     threadIdx.x % 128 == 0};
+  StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + (threadIdx.x / 32 - 4) * 2 * kStoreBytes};
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   // Stage 0's full barrier and the consumer's operands there; stage s is kStageBytes (barrier: 8 bytes) further.
   const uint32_t full0 = cute::cast_smem_ptr_to_uint(full);
@@ -889,7 +892,7 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
     }
     epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
   }
-  staged.drain();
+  staged.drain(lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
