@@ -104,17 +104,33 @@ def parse_ncu_csv(text: str) -> dict[str, dict]:
   return metrics
 
 
-def profile_case(case, shape_name, shape, num_tokens, ncu):
-  kernel_filter, flops_of = CASES[case]
-  command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip",
-             str(WARMUP_LAUNCHES), "--launch-count", "1", "--csv", "--page", "details", "--print-units", "base",
-             *(arg for section in SECTIONS for arg in ("--section", section)), "--metrics", ",".join(EXTRA_METRICS),
-             sys.executable, os.path.abspath(__file__), "--run", case, "--shape", shape_name]
+def run_ncu(case, shape_name, ncu, collect, timeout_s):
+  """ncu's stdout for the profiled launch of one case; collect: the ncu arguments saying what to record and print.
+
+  A run past timeout_s raises, so that one case that does not finish (seen once at 0f47bf1: swiglu_rows under ncu,
+  while the same launches finish in seconds without it) costs the others nothing but its timeout.
+  """
+  kernel_filter, _ = CASES[case]
+  command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip", str(WARMUP_LAUNCHES),
+             "--launch-count", "1", *collect, sys.executable, os.path.abspath(__file__), "--run", case, "--shape",
+             shape_name]
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+  try:
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+  except subprocess.TimeoutExpired as error:
+    output = error.stderr or error.stdout or b""
+    output = output.decode(errors="replace") if isinstance(output, bytes) else output
+    raise RuntimeError(f"ncu did not finish in {timeout_s} s; its last output: {output.strip()[-300:]!r}") from None
   if result.returncode != 0:
     raise RuntimeError(f"ncu exit {result.returncode}: {(result.stderr or result.stdout).strip()[-500:]}")
-  metrics = parse_ncu_csv(result.stdout)
+  return result.stdout
+
+
+def profile_case(case, shape_name, shape, num_tokens, ncu, timeout_s):
+  _, flops_of = CASES[case]
+  collect = ["--csv", "--page", "details", "--print-units", "base",
+             *(arg for section in SECTIONS for arg in ("--section", section)), "--metrics", ",".join(EXTRA_METRICS)]
+  metrics = parse_ncu_csv(run_ncu(case, shape_name, ncu, collect, timeout_s))
   rows = num_tokens * shape.top_k
   flops = flops_of(rows, shape.hidden, shape.intermediate)
   duration_ns = next((m["value"] for name, m in metrics.items() if name.endswith("/ Duration")), None)
@@ -135,25 +151,19 @@ def number(text: str) -> float:
     return 0.0
 
 
-def profile_source(case, shape_name, num_tokens, ncu, raw_dir):
+def profile_source(case, shape_name, ncu, raw_dir, timeout_s):
   """Per-SASS-instruction counters of one launch (ncu's source page): where the warps wait and what they issue.
 
   Keeps the SOURCE_TOP instructions with the most warp-stall samples, and the totals; the whole table goes to
   raw_dir (the GPU logs), not to the results.
   """
-  kernel_filter, _ = CASES[case]
-  command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip", str(WARMUP_LAUNCHES),
-             "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source",
-             "no", "--csv", "--page", "source", "--print-source", "sass", sys.executable, os.path.abspath(__file__),
-             "--run", case, "--shape", shape_name]
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-  if result.returncode != 0:
-    raise RuntimeError(f"ncu exit {result.returncode}: {(result.stderr or result.stdout).strip()[-500:]}")
+  collect = ["--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no", "--csv", "--page",
+             "source", "--print-source", "sass"]
+  stdout = run_ncu(case, shape_name, ncu, collect, timeout_s)
   os.makedirs(raw_dir, exist_ok=True)
   with open(os.path.join(raw_dir, f"source_{shape_name}_{case}.csv"), "w") as f:
-    f.write(result.stdout)
-  lines = result.stdout.splitlines()
+    f.write(stdout)
+  lines = stdout.splitlines()
   header = next((n for n, line in enumerate(lines) if line.startswith('"') and "Source" in line), None)
   if header is None:
     raise RuntimeError("no source table in ncu's output")
@@ -185,6 +195,8 @@ def main() -> None:
   parser.add_argument("--run", default=None, help="internal: launch one case's kernels (what ncu profiles)")
   parser.add_argument("--shape", default=None, help="with --run: the model shape")
   parser.add_argument("--ncu", default="ncu")
+  parser.add_argument("--case-timeout-s", type=float, default=180.0,
+                      help="per profiled case; a case past it is recorded as an error and the next one runs")
   parser.add_argument("--out-dir", default=common.RESULTS_DIR)
   args = parser.parse_args()
   shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
@@ -195,7 +207,7 @@ def main() -> None:
   names = list(shapes) if args.shapes is None else args.shapes.split(",")
   os.makedirs(args.out_dir, exist_ok=True)
   if args.source:
-    source_main(args, names, num_tokens)
+    source_main(args, names)
     return
   path = os.path.join(args.out_dir, "gemm_counters_h200.json")
   rows = []
@@ -203,7 +215,7 @@ def main() -> None:
     for case in args.cases.split(","):
       row = {"shape": name, "case": case}
       try:
-        row = profile_case(case, name, shapes[name], num_tokens, args.ncu)
+        row = profile_case(case, name, shapes[name], num_tokens, args.ncu, args.case_timeout_s)
       except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
         row["error"] = common.error_message(error)
       print(f"{name:12s} {case:16s} " + (f"{row['duration_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
@@ -217,13 +229,13 @@ def main() -> None:
   print(f"wrote {path}")
 
 
-def source_main(args, names, num_tokens) -> None:
+def source_main(args, names) -> None:
   path = os.path.join(args.out_dir, "gemm_source_h200.json")
   rows = []
   for name in names:
     for case in args.cases.split(","):
       try:
-        row = profile_source(case, name, num_tokens, args.ncu, args.raw_dir)
+        row = profile_source(case, name, args.ncu, args.raw_dir, args.case_timeout_s)
         print(f"{name:12s} {case:16s} {row['instructions']} instructions, {row['total_samples']:.0f} samples, "
               f"{row['total_executed']:.3g} warp instructions executed", flush=True)
         for r in row["top"][:15]:
