@@ -207,21 +207,26 @@ def main() -> None:
   names = list(shapes) if args.shapes is None else args.shapes.split(",")
   os.makedirs(args.out_dir, exist_ok=True)
   if args.source:
-    source_main(args, names)
-    return
-  path = os.path.join(args.out_dir, "gemm_counters_h200.json")
+    profile = lambda case, name: profile_source(case, name, args.ncu, args.raw_dir, args.case_timeout_s)  # noqa: E731
+    profile_all(names, args.cases.split(","), profile, report_source,
+                os.path.join(args.out_dir, "gemm_source_h200.json"))
+  else:
+    profile = lambda case, name: profile_case(case, name, shapes[name], num_tokens, args.ncu,  # noqa: E731
+                                              args.case_timeout_s)
+    profile_all(names, args.cases.split(","), profile, report_counters,
+                os.path.join(args.out_dir, "gemm_counters_h200.json"))
+
+
+def profile_all(names, cases, profile, report, path) -> None:
+  """profile(case, shape name) -> row for every shape and case; a failing case is recorded and the next one runs."""
   rows = []
   for name in names:
-    for case in args.cases.split(","):
-      row = {"shape": name, "case": case}
+    for case in cases:
       try:
-        row = profile_case(case, name, shapes[name], num_tokens, args.ncu, args.case_timeout_s)
+        row = profile(case, name)
       except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
-        row["error"] = common.error_message(error)
-      print(f"{name:12s} {case:16s} " + (f"{row['duration_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
-                                          if "tflops" in row else row.get("error", "no duration")), flush=True)
-      for metric, value in summary(row.get("metrics", {})):
-        print(f"    {metric}: {value}", flush=True)
+        row = {"shape": name, "case": case, "error": common.error_message(error)}
+      print(f"{name:12s} {case:16s} " + (row["error"] if "error" in row else report(row)), flush=True)
       rows.append(row)
       # After every case: a caller's time limit may stop the run before the last.
       with open(path, "w") as f:
@@ -229,25 +234,16 @@ def main() -> None:
   print(f"wrote {path}")
 
 
-def source_main(args, names) -> None:
-  path = os.path.join(args.out_dir, "gemm_source_h200.json")
-  rows = []
-  for name in names:
-    for case in args.cases.split(","):
-      try:
-        row = profile_source(case, name, args.ncu, args.raw_dir, args.case_timeout_s)
-        print(f"{name:12s} {case:16s} {row['instructions']} instructions, {row['total_samples']:.0f} samples, "
-              f"{row['total_executed']:.3g} warp instructions executed", flush=True)
-        for r in row["top"][:15]:
-          print(f"    {r['samples']:8.0f} {r['not_issued']:8.0f} {r['executed']:10.0f}  {r['address']}  {r['sass']}",
-                flush=True)
-      except Exception as error:  # noqa: BLE001
-        row = {"shape": name, "case": case, "error": common.error_message(error)}
-        print(f"{name:12s} {case:16s} {row['error']}", flush=True)
-      rows.append(row)
-      with open(path, "w") as f:
-        json.dump({**common.metadata(), "rows": rows}, f, indent=1)
-  print(f"wrote {path}")
+def report_counters(row) -> str:
+  head = f"{row['duration_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s" if "tflops" in row else "no duration"
+  return "\n".join([head, *(f"    {metric}: {value}" for metric, value in summary(row["metrics"]))])
+
+
+def report_source(row) -> str:
+  head = (f"{row['instructions']} instructions, {row['total_samples']:.0f} samples, "
+          f"{row['total_executed']:.3g} warp instructions executed")
+  return "\n".join([head, *(f"    {r['samples']:8.0f} {r['not_issued']:8.0f} {r['executed']:10.0f}  {r['address']}  "
+                             f"{r['sass']}" for r in row["top"][:15])])
 
 
 SUMMARY_KEYS = ("Duration", "SM Frequency", "Compute (SM) Throughput", "Memory Throughput", "L2 Hit Rate",
