@@ -378,28 +378,23 @@ __device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p
   }
 }
 
-// The rhs of k step ks by TMA.
+// The rhs of k step ks by TMA. MN-major operands come as one box of 64-column chunks (the maps' chunk dim), so
+// that a k step issues one load per operand, not one per chunk.
 template <Mode kMode, bool kBMnMajor>
 __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
                                          uint8_t* b_smem, uint64_t* full) {
   if constexpr (kMode == Mode::kTgmm) {
-    int32_t row = tile.row0 + ks * kBlockK;
-    for (int j = 0; j < 4; ++j)
-      cute::SM90_TMA_LOAD_2D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, row);
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, tile.row0 + ks * kBlockK, tile.n0 / 64,
+                                 0);
   } else if constexpr (kMode == Mode::kSwiglu) {  // one 256-column operand: the gate's 128 columns, then the up's
-    for (int j = 0; j < 2; ++j) {
-      cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
-                                   ks * kBlockK, tile.group);
-      cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + (2 + j) * kSubTileBytes,
-                                   tile.n0 + 64 * j, ks * kBlockK, tile.group);
-    }
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
+    uint8_t* up_smem = b_smem + (kSwigluTileCols / 64) * kSubTileBytes;
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b2, full, kCacheHintNormal, up_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
   } else {
     const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
     int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
     if constexpr (kBMnMajor) {
-      for (int j = 0; j < 4; ++j)
-        cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, k,
-                                     tile.group);
+      cute::SM90_TMA_LOAD_4D::copy(map, full, kCacheHintNormal, b_smem, 0, k, tile.n0 / 64, tile.group);
     } else {
       cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
     }
