@@ -72,6 +72,15 @@ ffi::Error weights_map(CUtensorMap* map, const void* base, int64_t groups, int64
                      {0, uint64_t(cols) * 2, uint64_t(rows) * uint64_t(cols) * 2}, {64, box_rows, 1});
 }
 
+// An MN-major operand [groups, rows, cols] (rows the contraction) whose 64-column chunks of a box land one after
+// another in shared memory, each a 64-line swizzled sub-tile: dims {64, rows, cols / 64, groups}, the chunk dim
+// 128 bytes apart, so one TMA loads `chunks` sub-tiles of 64 rows. cols is a multiple of 64 (check_features).
+ffi::Error chunked_map(CUtensorMap* map, const void* base, int64_t groups, int64_t rows, int64_t cols,
+                       uint32_t chunks) {
+  return make_map<4>(map, base, {64, uint64_t(rows), uint64_t(cols / 64), uint64_t(groups)},
+                     {0, uint64_t(cols) * 2, 128, uint64_t(rows) * uint64_t(cols) * 2}, {64, 64, chunks, 1});
+}
+
 // The lhs arrives in 64-row halves of the 128-row tile (one per CTA of a cluster).
 constexpr uint32_t kLhsBoxRows = 64;
 
@@ -175,9 +184,11 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buff
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1, kLhsBoxRows));
-  // Forward: rhs [G, K, N] is read as MN-major 64 x 64 boxes; transposed: rhs [G, N, K] as one K-major 256-row box.
+  // Forward: rhs [G, K, N] is read as four MN-major 64 x 64 chunks in one box; transposed: rhs [G, N, K] as one
+  // K-major 256-row box.
   auto map_rhs = [&](CUtensorMap* map, const void* base, int64_t k) {
-    return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256) : weights_map(map, base, s.groups, k, s.n, 64);
+    return transpose_rhs ? weights_map(map, base, s.groups, s.n, k, 256)
+                         : chunked_map(map, base, s.groups, k, s.n, gg::kTileCols / 64);
   };
   JK_FFI_RETURN_IF_ERROR(map_rhs(&maps.b, rhs.untyped_data(), s.k1));
   if (s.k2 > 0) {
@@ -214,8 +225,9 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
-  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, 64));
-  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, 64));
+  constexpr uint32_t kChunks = gg::kSwigluTileCols / 64;  // a tile's gate (and up) columns, one box each
+  JK_FFI_RETURN_IF_ERROR(chunked_map(&maps.b, w_gate.untyped_data(), s.groups, s.hidden, s.inner, kChunks));
+  JK_FFI_RETURN_IF_ERROR(chunked_map(&maps.b2, w_up.untyped_data(), s.groups, s.hidden, s.inner, kChunks));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
   p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
@@ -307,7 +319,7 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buf
   sm90::TensorMaps maps{};
   // Both operands MN-major: 64 contraction rows x 64 features per box.
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k, 64));
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.b, rhs.untyped_data(), s.rows, s.n, 64));
+  JK_FFI_RETURN_IF_ERROR(chunked_map(&maps.b, rhs.untyped_data(), 1, s.rows, s.n, gg::kTileCols / 64));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
   p.m_extent = static_cast<int32_t>(s.k);

@@ -378,28 +378,23 @@ __device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p
   }
 }
 
-// The rhs of k step ks by TMA.
+// The rhs of k step ks by TMA. MN-major operands come as one box of 64-column chunks (the maps' chunk dim), so
+// that a k step issues one load per operand, not one per chunk.
 template <Mode kMode, bool kBMnMajor>
 __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
                                          uint8_t* b_smem, uint64_t* full) {
   if constexpr (kMode == Mode::kTgmm) {
-    int32_t row = tile.row0 + ks * kBlockK;
-    for (int j = 0; j < 4; ++j)
-      cute::SM90_TMA_LOAD_2D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, row);
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, tile.row0 + ks * kBlockK, tile.n0 / 64,
+                                 0);
   } else if constexpr (kMode == Mode::kSwiglu) {  // one 256-column operand: the gate's 128 columns, then the up's
-    for (int j = 0; j < 2; ++j) {
-      cute::SM90_TMA_LOAD_3D::copy(&maps.b, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j,
-                                   ks * kBlockK, tile.group);
-      cute::SM90_TMA_LOAD_3D::copy(&maps.b2, full, kCacheHintNormal, b_smem + (2 + j) * kSubTileBytes,
-                                   tile.n0 + 64 * j, ks * kBlockK, tile.group);
-    }
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
+    uint8_t* up_smem = b_smem + (kSwigluTileCols / 64) * kSubTileBytes;
+    cute::SM90_TMA_LOAD_4D::copy(&maps.b2, full, kCacheHintNormal, up_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
   } else {
     const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
     int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
     if constexpr (kBMnMajor) {
-      for (int j = 0; j < 4; ++j)
-        cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem + j * kSubTileBytes, tile.n0 + 64 * j, k,
-                                     tile.group);
+      cute::SM90_TMA_LOAD_4D::copy(map, full, kCacheHintNormal, b_smem, 0, k, tile.n0 / 64, tile.group);
     } else {
       cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
     }
@@ -443,16 +438,18 @@ __device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile&
 __device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& lines, int32_t ks, int thread,
                                            uint8_t* a_smem, uint64_t* full) {
   const int chunk = thread % 8;
-  const uint4* tokens = reinterpret_cast<const uint4*>(p.tokens) + ks * (kBlockK / 8) + chunk;
+  // The k step's chunk of token 0; a line's source is first_chunk 16-byte units further, one wide multiply-add
+  // (written in PTX: left to itself the compiler re-associates the sum into four instructions per line).
+  const uint64_t k_chunk = reinterpret_cast<uint64_t>(p.tokens) + 16 * static_cast<uint64_t>(ks * (kBlockK / 8) + chunk);
   const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
 #pragma unroll
   for (int i = 0; i < kGatherLinesPerThread; ++i) {
     const int line = thread / 8 + 16 * i;
     const uint32_t dst = a_addr + line * kLineBytes + ((chunk ^ (line & 7)) << 4);
     const uint32_t src_bytes = (lines.zero_mask >> i) & 1 ? 0 : 16;  // a source size of 0 fills with zeros
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(tokens + lines.first_chunk[i]),
-                 "r"(src_bytes)
-                 : "memory");
+    uint64_t src;
+    asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(src) : "r"(lines.first_chunk[i]), "l"(k_chunk));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
   }
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(full))
                : "memory");
