@@ -1,8 +1,8 @@
 """Hardware counters of single grouped-GEMM launches against cuBLAS's dense GEMMs at the same shape (Nsight Compute).
 
 `layer_profile.py` says how long each kernel takes; this says why: tensor-pipe and issue utilisation, L2 and DRAM
-traffic, warp stalls. Each case of a model shape's single-GPU slice (uniform routing, layer.py's sizes) is one
-process that launches its kernel a few times; `ncu` profiles the last launch only (a kernel-name filter and
+traffic, warp stalls. Each case of a model shape's single-GPU slice (layer.py's sizes and routings; the dense
+cases take equal groups, so they run once, beside the uniform routing) is one process that launches its kernel a few times; `ncu` profiles the last launch only (a kernel-name filter and
 --launch-skip), with device memory not preallocated so that its replays save and restore little:
 
   swiglu_gathered   gmm_swiglu reading its rows from the tokens (cp.async)  x [T, H], row_tokens [R]
@@ -12,6 +12,7 @@ process that launches its kernel a few times; `ncu` profiles the last launch onl
   dense_down        cuBLAS, the dense chain's down GEMM                     [G, R/G, I] x [G, I, H]
 
   python3 benchmarks/gemm_counters.py --shapes kimi-k2,qwen3.5   # on the H200 (ncu on PATH): gemm_counters_h200.json
+  python3 benchmarks/gemm_counters.py --shapes kimi-k2 --routings uniform,skewed --cases down,dense_down
   python3 benchmarks/gemm_counters.py --source --shapes kimi-k2 --cases down   # per-instruction: gemm_source_h200.json
   python3 benchmarks/gemm_counters.py --run down --shape smoke-a --smoke   # one case's launches, no ncu
 """
@@ -48,16 +49,18 @@ CASES = {
 }
 WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
-EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
+                 "lts__t_sectors_op_write.sum")
+DENSE_CASES = ("dense_gate", "dense_down")
 
 
-def case_call(case, shape, num_tokens):
+def case_call(case, shape, num_tokens, routing):
   """(jitted fn, args) of one case: each call launches exactly one kernel of the case's filter."""
   inputs = layer.shape_inputs(jax.random.key(0), shape, num_tokens)
   num_local_experts = shape.num_experts // common.GPUS_PER_NODE
   w_gate, w_up, w_down = inputs["experts"]
   x = inputs["xs"][0]
-  ids = inputs["routings"]["uniform"][1]
+  ids = inputs["routings"][routing][1]
   sched = jax_kittens.schedule(ids, num_local_experts, align=grouped_matmul.ROW_ALIGN)
   num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
   groups = (sched.expert_offsets, sched.tokens_per_expert)
@@ -78,8 +81,8 @@ def case_call(case, shape, num_tokens):
   raise ValueError(f"unknown case {case!r}; choose from {sorted(CASES)}")
 
 
-def run_case(case, shape, num_tokens):
-  fn, args = case_call(case, shape, num_tokens)
+def run_case(case, shape, num_tokens, routing):
+  fn, args = case_call(case, shape, num_tokens, routing)
   for _ in range(WARMUP_LAUNCHES + 1):
     jax.block_until_ready(fn(*args))
 
@@ -104,7 +107,7 @@ def parse_ncu_csv(text: str) -> dict[str, dict]:
   return metrics
 
 
-def run_ncu(case, shape_name, ncu, collect, timeout_s):
+def run_ncu(case, shape_name, routing, ncu, collect, timeout_s):
   """ncu's stdout for the profiled launch of one case; collect: the ncu arguments saying what to record and print.
 
   A run past timeout_s raises, so that one case that does not finish (seen once at 0f47bf1: swiglu_rows under ncu,
@@ -113,7 +116,7 @@ def run_ncu(case, shape_name, ncu, collect, timeout_s):
   kernel_filter, _ = CASES[case]
   command = [ncu, "--clock-control", "none", "--kernel-name", kernel_filter, "--launch-skip", str(WARMUP_LAUNCHES),
              "--launch-count", "1", *collect, sys.executable, os.path.abspath(__file__), "--run", case, "--shape",
-             shape_name]
+             shape_name, "--routing", routing]
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   try:
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -126,15 +129,15 @@ def run_ncu(case, shape_name, ncu, collect, timeout_s):
   return result.stdout
 
 
-def profile_case(case, shape_name, shape, num_tokens, ncu, timeout_s):
+def profile_case(case, shape_name, routing, shape, num_tokens, ncu, timeout_s):
   _, flops_of = CASES[case]
   collect = ["--csv", "--page", "details", "--print-units", "base",
              *(arg for section in SECTIONS for arg in ("--section", section)), "--metrics", ",".join(EXTRA_METRICS)]
-  metrics = parse_ncu_csv(run_ncu(case, shape_name, ncu, collect, timeout_s))
+  metrics = parse_ncu_csv(run_ncu(case, shape_name, routing, ncu, collect, timeout_s))
   rows = num_tokens * shape.top_k
   flops = flops_of(rows, shape.hidden, shape.intermediate)
   duration_ns = next((m["value"] for name, m in metrics.items() if name.endswith("/ Duration")), None)
-  row = {"shape": shape_name, "case": case, "flops": flops, "metrics": metrics}
+  row = {"shape": shape_name, "routing": routing, "case": case, "flops": flops, "metrics": metrics}
   if isinstance(duration_ns, float) and duration_ns > 0:
     row["duration_ms"] = duration_ns * 1e-6
     row["tflops"] = flops / duration_ns * 1e-3
@@ -151,7 +154,7 @@ def number(text: str) -> float:
     return 0.0
 
 
-def profile_source(case, shape_name, ncu, raw_dir, timeout_s):
+def profile_source(case, shape_name, routing, ncu, raw_dir, timeout_s):
   """Per-SASS-instruction counters of one launch (ncu's source page): where the warps wait and what they issue.
 
   Keeps the SOURCE_TOP instructions with the most warp-stall samples, and the totals; the whole table goes to
@@ -159,9 +162,9 @@ def profile_source(case, shape_name, ncu, raw_dir, timeout_s):
   """
   collect = ["--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no", "--csv", "--page",
              "source", "--print-source", "sass"]
-  stdout = run_ncu(case, shape_name, ncu, collect, timeout_s)
+  stdout = run_ncu(case, shape_name, routing, ncu, collect, timeout_s)
   os.makedirs(raw_dir, exist_ok=True)
-  with open(os.path.join(raw_dir, f"source_{shape_name}_{case}.csv"), "w") as f:
+  with open(os.path.join(raw_dir, f"source_{shape_name}_{routing}_{case}.csv"), "w") as f:
     f.write(stdout)
   lines = stdout.splitlines()
   header = next((n for n, line in enumerate(lines) if line.startswith('"') and "Source" in line), None)
@@ -179,7 +182,7 @@ def profile_source(case, shape_name, ncu, raw_dir, timeout_s):
            "not_issued": number(r.get(not_issued, "0")) if not_issued else 0.0,
            "executed": number(r.get(executed, "0")) if executed else 0.0} for r in table]
   top = sorted(rows, key=lambda r: -r["samples"])[:SOURCE_TOP]
-  return {"shape": shape_name, "case": case, "columns": columns,
+  return {"shape": shape_name, "routing": routing, "case": case, "columns": columns,
           "total_samples": sum(r["samples"] for r in rows), "total_executed": sum(r["executed"] for r in rows),
           "instructions": len(rows), "top": top}
 
@@ -189,11 +192,13 @@ def main() -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (with --run: any platform)")
   parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
   parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (default: all)")
+  parser.add_argument("--routings", default="uniform", help=f"comma-separated, of {common.ROUTINGS}")
   parser.add_argument("--source", action="store_true",
                       help="per-instruction counters instead (gemm_source_h200.json; raw tables to --raw-dir)")
   parser.add_argument("--raw-dir", default="/tmp/jk-logs")
   parser.add_argument("--run", default=None, help="internal: launch one case's kernels (what ncu profiles)")
   parser.add_argument("--shape", default=None, help="with --run: the model shape")
+  parser.add_argument("--routing", default="uniform", help="with --run: the routing")
   parser.add_argument("--ncu", default="ncu")
   parser.add_argument("--case-timeout-s", type=float, default=180.0,
                       help="per profiled case; a case past it is recorded as an error and the next one runs")
@@ -202,35 +207,36 @@ def main() -> None:
   shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
   num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
   if args.run is not None:
-    run_case(args.run, shapes[args.shape], num_tokens)
+    run_case(args.run, shapes[args.shape], num_tokens, args.routing)
     return
   names = list(shapes) if args.shapes is None else args.shapes.split(",")
+  runs = [(name, routing, case) for name in names for routing in args.routings.split(",")
+          for case in args.cases.split(",") if routing == "uniform" or case not in DENSE_CASES]
   os.makedirs(args.out_dir, exist_ok=True)
   if args.source:
-    profile = lambda case, name: profile_source(case, name, args.ncu, args.raw_dir, args.case_timeout_s)  # noqa: E731
-    profile_all(names, args.cases.split(","), profile, report_source,
-                os.path.join(args.out_dir, "gemm_source_h200.json"))
+    profile = lambda case, name, routing: profile_source(case, name, routing, args.ncu, args.raw_dir,  # noqa: E731
+                                                         args.case_timeout_s)
+    profile_all(runs, profile, report_source, os.path.join(args.out_dir, "gemm_source_h200.json"))
   else:
-    profile = lambda case, name: profile_case(case, name, shapes[name], num_tokens, args.ncu,  # noqa: E731
-                                              args.case_timeout_s)
-    profile_all(names, args.cases.split(","), profile, report_counters,
-                os.path.join(args.out_dir, "gemm_counters_h200.json"))
+    profile = lambda case, name, routing: profile_case(case, name, routing, shapes[name], num_tokens,  # noqa: E731
+                                                       args.ncu, args.case_timeout_s)
+    profile_all(runs, profile, report_counters, os.path.join(args.out_dir, "gemm_counters_h200.json"))
 
 
-def profile_all(names, cases, profile, report, path) -> None:
-  """profile(case, shape name) -> row for every shape and case; a failing case is recorded and the next one runs."""
+def profile_all(runs, profile, report, path) -> None:
+  """profile(case, shape name, routing) -> row for every (shape name, routing, case) of runs; a failing case is
+  recorded and the next one runs."""
   rows = []
-  for name in names:
-    for case in cases:
-      try:
-        row = profile(case, name)
-      except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
-        row = {"shape": name, "case": case, "error": common.error_message(error)}
-      print(f"{name:12s} {case:16s} " + (row["error"] if "error" in row else report(row)), flush=True)
-      rows.append(row)
-      # After every case: a caller's time limit may stop the run before the last.
-      with open(path, "w") as f:
-        json.dump({**common.metadata(), "rows": rows}, f, indent=1)
+  for name, routing, case in runs:
+    try:
+      row = profile(case, name, routing)
+    except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
+      row = {"shape": name, "routing": routing, "case": case, "error": common.error_message(error)}
+    print(f"{name:12s} {routing:8s} {case:16s} " + (row["error"] if "error" in row else report(row)), flush=True)
+    rows.append(row)
+    # After every case: a caller's time limit may stop the run before the last.
+    with open(path, "w") as f:
+      json.dump({**common.metadata(), "rows": rows}, f, indent=1)
   print(f"wrote {path}")
 
 
@@ -248,7 +254,7 @@ def report_source(row) -> str:
 
 SUMMARY_KEYS = ("Duration", "SM Frequency", "Compute (SM) Throughput", "Memory Throughput", "L2 Hit Rate",
                 "DRAM Throughput", "Executed Ipc Active", "Issue Slots Busy", "dram__bytes_read.sum",
-                "dram__bytes_write.sum", "Stall")
+                "dram__bytes_write.sum", "lts__t_sectors", "Stall")
 
 
 def summary(metrics):
