@@ -26,11 +26,10 @@
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
 //  - Epilogues work on the accumulator fragments in registers. bf16 outputs go out in 16 x 64 chunks, each warp its
-//    own 16 rows, through swizzled staging buffers (stmatrix) and TMA stores: two buffers per warp, and where a tile
-//    has more chunks, three more per warp in the tile's last stage, which the consumers keep until the stores have
-//    read it. A warp moves on without waiting for the others or for its stores, and starts its next tile while the
-//    copies drain; float32 outputs, and the rows of a tile that ends inside the buffer short of 16 rows per warp
-//    (the box would overwrite the next group's rows), are stored from registers.
+//    own 16 rows, through two swizzled staging buffers per warp (stmatrix) and TMA stores, so a warp moves on
+//    without waiting for the others and starts its next tile while the copies drain; float32 outputs, and the rows
+//    of a tile that ends inside the buffer short of 16 rows per warp (the box would overwrite the next group's
+//    rows), are stored from registers.
 #pragma once
 
 #include <cuda.h>
@@ -496,49 +495,23 @@ struct ChunkPairs {
   uint32_t v[16];
 };
 
-// bf16 chunks through shared memory, per warp: the warp's 16 rows of a chunk go into one of its 128-byte-swizzled
-// staging buffers (four stmatrix: the fragment's 8 x 8 blocks are stmatrix's matrices) and out through one TMA store
-// (which clips rows and columns past the tensor's end). No other warp takes part, so the warps of a consumer do not
-// wait for each other in the epilogue.
-//
-// Each warp owns two buffers. Epilogues of more than two chunks also use the tile's last stage, which the consumers
-// keep (do not release) until its stores have read it: 48 KB, three more buffers per warp. So a tile's stores all
-// go out without waiting for earlier ones to finish reading (a wait that, with two buffers, stood between the
-// tensor cores and the next tile twice per tile in gmm, dgrad and tgmm), and the held stage goes back to the
-// producer while the next tile's first wgmma runs.
-constexpr int kHeldBuffers = kStageBytes / (8 * kStoreBytes);  // per consumer warp: 3
-
+// bf16 chunks through shared memory, per warp: the warp's 16 rows of a chunk go into one of its two
+// 128-byte-swizzled staging buffers (four stmatrix: the fragment's 8 x 8 blocks are stmatrix's matrices) and out
+// through one TMA store (which clips rows and columns past the tensor's end). No other warp takes part, so the
+// warps of a consumer do not wait for each other in the epilogue.
 struct StagedStore {
-  uint32_t own;         // shared-memory address of this warp's 2 x kStoreBytes, 1024-byte aligned
-  uint32_t held = 0;    // this warp's kHeldBuffers x kStoreBytes in the held stage, or 0 (none this tile)
-  uint32_t issued = 0;  // chunks stored in this tile: the same count on every lane
-
-  // Before a tile's first chunk: every earlier store has read its buffer (they were issued a main loop ago, or
-  // waited for when the held stage went back).
-  __device__ __forceinline__ void begin_tile(uint32_t held_buffers, int lane) {
-    if (lane == 0) cute::tma_store_wait<0>();
-    __syncwarp();
-    held = held_buffers;
-    issued = 0;
-  }
+  uint32_t buffers;     // shared-memory address of 2 x kStoreBytes, 1024-byte aligned
+  uint32_t issued = 0;  // chunks stored so far: the same count on every lane
 
   // coords: (column, row) of a 2D map or (column, row, group) of a 3D one, of the warp's first row.
   template <int kRank>
   __device__ __forceinline__ void store(const CUtensorMap* map, const ChunkPairs& pairs, int lane, int32_t x,
                                         int32_t y, int32_t z) {
-    const uint32_t buffers = held != 0 ? 2 + kHeldBuffers : 2;
-    const uint32_t slot = issued % buffers;
-    if (issued >= buffers) {  // the store issued `buffers` chunks ago read this buffer: it must be done reading
-      if (lane == 0) {
-        if (held != 0) {
-          cute::tma_store_wait<1 + kHeldBuffers>();
-        } else {
-          cute::tma_store_wait<1>();
-        }
-      }
+    const uint32_t buffer = buffers + (issued & 1) * kStoreBytes;
+    if (issued >= 2) {  // the store issued two chunks ago read this buffer: it must be done reading
+      if (lane == 0) cute::tma_store_wait<1>();
       __syncwarp();
     }
-    const uint32_t buffer = slot < 2 ? own + slot * kStoreBytes : held + (slot - 2) * kStoreBytes;
     // stmatrix q stores the blocks (jj, h) = (2q + i / 2, i % 2) of registers v[4q + i]; lane t addresses row t % 8
     // of block t / 8, i.e. line 8 h + t % 8 of the buffer, whose 16-byte chunk jj the swizzle puts at jj ^ (t % 8).
     const uint32_t line = 8 * ((lane >> 3) & 1) + (lane & 7);
@@ -568,14 +541,6 @@ struct StagedStore {
     if (lane == 0) cute::tma_store_wait<0>();
   }
 };
-
-// Whether a tile's epilogue stores more than two bf16 chunks per warp (and so keeps the tile's last stage).
-template <Mode kMode, int kBlockN, typename OutT>
-__device__ __forceinline__ bool holds_last_stage(const Params& p) {
-  if constexpr (sizeof(OutT) != 2) return false;  // float32 outputs are stored from registers
-  if constexpr (kMode == Mode::kSwiglu) return p.out2 != nullptr;  // act alone is two chunks
-  return kBlockN / 64 > 2;
-}
 
 // Where the warpgroup's rows of a tile are and which hold data.
 struct EpilogueRows {
@@ -866,8 +831,7 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int consumer_thread = threadIdx.x - 128;
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
-  const int consumer_warp = threadIdx.x / 32 - 4;  // 0..7
-  StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + consumer_warp * 2 * kStoreBytes};
+  StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + (threadIdx.x / 32 - 4) * 2 * kStoreBytes};
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   // Stage 0's full barrier and the consumer's operands there; stage s is kStageBytes (barrier: 8 bytes) further.
   const uint32_t full0 = cute::cast_smem_ptr_to_uint(full);
@@ -875,20 +839,16 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const uint32_t a_desc0 = descriptor_low(stage0 + consumer * (kAMn ? kSubTileBytes : 64 * kLineBytes), kAMn);
   const uint32_t b_desc0 = descriptor_low(stage0 + kABytes, kBMnMajor);
   const StageRelease<kCluster> release(empty);
-  const bool holds = holds_last_stage<kMode, kBlockN, OutT>(p);
   float acc[kAccumulators];
   Scheduler<kMode, kBlockN> scheduler(p);
   Tile tile;
   uint32_t it = 0;
-  // The previous tile's last stage, (it - 1) % kStages, is still held for its epilogue's stores (see StagedStore).
-  bool holding = false;
   // The tile loop's conditions are votes (warp-uniform, as far as the compiler knows), so the stage counter stays
   // in uniform registers too.
   for (;;) {
     const bool more = scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile);
     if (!__any_sync(0xFFFFFFFF, more)) break;
     const int32_t steps = __shfl_sync(0xFFFFFFFF, scheduler.k_steps(p, tile), 0);
-    const bool hold = holds && steps > 0;
     // Waits for the stage of k step ks (tgmm: and fixes it up).
     auto acquire = [&](int32_t ks, uint32_t stage) {
       wait_barrier_at(full0 + 8 * stage, (it / kStages) & 1);
@@ -896,15 +856,8 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
       if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
-    // Lane 0: the previous tile's held stage goes back once the stores reading it are done.
-    auto release_held = [&]() {
-      cute::tma_store_wait<0>();
-      release((it - 1) % kStages);
-    };
-    if (holding && steps == 0 && lane == 0) release_held();
     if (__any_sync(0xFFFFFFFF, scheduler.consumer_has_rows(p, tile, consumer))) {
-      // One k step's wgmma, left in flight with the previous step's done.
-      auto mma_step = [&](int32_t ks) {
+      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
         const uint32_t stage = it % kStages;
         acquire(ks, stage);
         const uint32_t stage_offset = stage * (kStageBytes >> 4);
@@ -917,40 +870,23 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
                                  ks > 0 || kk > 0);
         }
         cute::warpgroup_commit_batch();
+        // Keep this step's wgmma in flight while releasing the previous step's stage.
         cute::warpgroup_wait<1>();
         fence_accumulators(acc);
-      };
-      // The first step apart, so that the loop's release stays one predicated arrival: the held stage goes back
-      // while this tile's first wgmma runs.
-      if (steps > 0) {
-        mma_step(0);
-        if (holding && lane == 0) release_held();
-        ++it;
-      }
-      for (int32_t ks = 1; ks < steps; ++ks, ++it) {
-        mma_step(ks);
-        if (lane == 0) release((it - 1) % kStages);
+        if (ks > 0 && lane == 0) release((it - 1) % kStages);
       }
       cute::warpgroup_wait<0>();
       fence_accumulators(acc);
-      if (steps > 0 && !hold && lane == 0) release((it - 1) % kStages);
+      if (steps > 0 && lane == 0) release((it - 1) % kStages);
     } else {
       // No data in this consumer's 64 rows (they are written as zeros): it only takes part in the stage hand-offs,
       // and the tensor cores serve the other consumer alone. A separate loop keeps the wgmma loop above free of
       // branches, which ptxas would otherwise answer by waiting for every wgmma before issuing the next.
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
         acquire(ks, it % kStages);
-        if (lane == 0) {
-          if (ks == 0 && holding) release_held();
-          if (ks + 1 < steps || !hold) release(it % kStages);
-        }
+        if (lane == 0) release(it % kStages);
       }
     }
-    holding = hold;
-    // The held stage's operands are read by both consumers' wgmma: both must be done before either writes there.
-    if (hold) cutlass::arch::NamedBarrier::sync(256, 2);
-    const uint32_t held_stage = stage0 + ((it - 1) % kStages) * kStageBytes;
-    staged.begin_tile(hold ? held_stage + consumer_warp * kHeldBuffers * kStoreBytes : 0u, lane);
     epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
   }
   staged.drain(lane);
