@@ -1,7 +1,9 @@
 """Shared benchmark machinery: device-synchronised timing, compiled memory, run metadata, JSON + PNG results, tables.
 
-Every measurement goes through `measure`, which turns a failure into ``{"error": ...}`` for its row instead of a
-number.
+Every measurement goes through `measure` or `measure_interleaved`, which turn a failure into ``{"error": ...}`` for
+its row instead of a number. The backends compared in one table are timed in alternation (`time_interleaved`): one
+timed call of each in turn, so that they all run at the same clocks and temperature (timed one after another,
+single cases moved by up to 20% against each other between two runs of the same code).
 """
 
 from __future__ import annotations
@@ -138,23 +140,57 @@ def peak_memory(compiled: jax.stages.Compiled) -> dict:
   return sizes
 
 
+def time_interleaved(calls: Sequence[Callable[[int], object]], *, iters: int, min_iters: int,
+                     budget_s: float) -> list[dict | Exception]:
+  """Median wall times of several functions, timed in alternation; each synchronised on its outputs per run.
+
+  ``calls[j](i)`` makes function j's call i (cycling through its own inputs). One warm-up call of each, then rounds
+  of one timed call of each: function j stops after ``iters`` timed calls, or fewer (not below ``min_iters``) when
+  they would take more than ``budget_s`` (its first timed call sets its count), so slow functions drop out early
+  and the fast ones keep alternating. A function that raises is dropped; its exception takes its place in the
+  result.
+  """
+  results: list[dict | Exception | None] = [None] * len(calls)
+  times: list[list[float]] = [[] for _ in calls]
+  runs = [0] * len(calls)
+  live = []
+  for j, call in enumerate(calls):
+    try:
+      jax.block_until_ready(call(0))
+      live.append(j)
+    except Exception as error:  # noqa: BLE001 (recorded for this function; the others go on)
+      results[j] = error
+  call_index = 1
+  while live:
+    for j in list(live):
+      start = time.perf_counter()
+      try:
+        jax.block_until_ready(calls[j](call_index))
+      except Exception as error:  # noqa: BLE001
+        results[j] = error
+        live.remove(j)
+        continue
+      times[j].append(time.perf_counter() - start)
+      if len(times[j]) == 1:
+        runs[j] = max(min_iters, min(iters, int(budget_s / max(times[j][0], 1e-9))))
+      if len(times[j]) >= runs[j]:
+        live.remove(j)
+    call_index += 1
+  for j, measured in enumerate(times):
+    if results[j] is None:
+      results[j] = {"median_ms": 1e3 * statistics.median(measured), "min_ms": 1e3 * min(measured),
+                    "iters": len(measured)}
+  return results
+
+
 def time_compiled(compiled: Callable, arg_sets: Sequence[tuple], *, iters: int, min_iters: int,
                   budget_s: float) -> dict:
-  """Median wall time of ``compiled(*args)``, synchronised on its outputs each run, cycling through ``arg_sets``.
-
-  One warm-up run, then ``iters`` timed runs, or fewer (not below ``min_iters``) when they would take more than
-  ``budget_s``: the first timed run sets the count.
-  """
-  def timed(args):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
-
-  jax.block_until_ready(compiled(*arg_sets[0]))
-  times = [timed(arg_sets[1 % len(arg_sets)])]
-  runs = max(min_iters, min(iters, int(budget_s / max(times[0], 1e-9))))
-  times += [timed(arg_sets[i % len(arg_sets)]) for i in range(2, runs + 1)]
-  return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "iters": len(times)}
+  """`time_interleaved` of one function: ``compiled(*args)`` cycling through ``arg_sets``."""
+  (result,) = time_interleaved([lambda i: compiled(*arg_sets[i % len(arg_sets)])], iters=iters, min_iters=min_iters,
+                               budget_s=budget_s)
+  if isinstance(result, Exception):
+    raise result
+  return result
 
 
 class RecordedError(Exception):
@@ -268,18 +304,43 @@ class Executable:
       raise RecordedError(self.error)
     return self.compiled
 
-  def timing(self, arg_sets, flops, args):
-    try:
-      timing = time_compiled(self._ready(), arg_sets, iters=args.iters, min_iters=args.min_iters,
-                             budget_s=args.budget_s)
-    except Exception as error:
-      if "RESOURCE_EXHAUSTED" in str(error):  # memory depends on shapes only: later inputs would fail the same way
-        self.error = error_message(error)
-      raise
-    return {**timing, "tflops": tflops(flops, timing["median_ms"])}
+  def call(self, arg_sets):
+    """i -> the compiled function's call on arg_sets[i % len(arg_sets)] (raises the recorded error if none)."""
+    compiled = self._ready()
+    return lambda i: compiled(*arg_sets[i % len(arg_sets)])
 
   def memory(self):
     return {f"{name}_bytes": size for name, size in peak_memory(self._ready()).items()}
+
+
+class Timing(NamedTuple):
+  """One row to time: ``executable`` called on ``arg_sets`` in turn, ``flops`` per call."""
+  row: dict
+  executable: Executable
+  arg_sets: Sequence[tuple]
+  flops: float
+
+
+def measure_interleaved(timings: Sequence[Timing], args) -> list[dict]:
+  """The rows of ``timings`` with median_ms, min_ms, iters and tflops, their executables timed in alternation
+  (`time_interleaved`), or with ``{"error": ...}`` (no executable, or its calls raised); printed as they come."""
+  rows = [dict(t.row) for t in timings]
+  calls, timed = [], []
+  for n, t in enumerate(timings):
+    try:
+      calls.append(t.executable.call(t.arg_sets))
+      timed.append(n)
+    except Exception as error:  # noqa: BLE001  (recorded in its row)
+      rows[n]["error"] = error_message(error)
+  results = time_interleaved(calls, iters=args.iters, min_iters=args.min_iters, budget_s=args.budget_s)
+  for n, result in zip(timed, results):
+    if isinstance(result, Exception):
+      rows[n]["error"] = error_message(result)
+    else:
+      rows[n].update(result, tflops=tflops(timings[n].flops, result["median_ms"]))
+  for row in rows:
+    print(format_row(row), flush=True)
+  return rows
 
 
 def dense_beside_every_routing(rows: list[dict]) -> list[dict]:

@@ -4,7 +4,8 @@ Per model shape: the single-GPU slice (E/8 local experts, T = 8192 tokens, all r
 routing, forward and forward+backward. Backends: "kittens" (`moe_ffn(backend="kittens")`), "xla" (the reference
 with `jax.lax.ragged_dot`), "tokamax" (the reference with `tokamax.ragged_dot`), "dense" (the same SwiGLU chain as
 batched einsums over equal groups of T*k/E rows: the cuBLAS ceiling). Also the compiled peak memory of the
-forward+backward for kittens (recompute off and on) and xla.
+forward+backward for kittens (recompute off and on) and xla. Per shape and mode the backends' calls alternate
+(`common.time_interleaved`), so that the ratios compare runs at the same clocks and temperature.
 
   python3 benchmarks/layer.py            # on the H200: benchmarks/results/layer_h200.json + .png
   python3 benchmarks/layer.py --smoke    # tiny shapes, any platform
@@ -87,21 +88,21 @@ def shape_inputs(key, shape, num_tokens):
 
 
 def benchmark_shape(name, shape, num_tokens, backends, tokamax, args):
-  """Rows (timings) and memory rows of one model shape."""
+  """Rows (timings) and memory rows of one model shape; per mode, every backend and routing timed in alternation."""
   inputs = shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
   rows, memory = [], []
-  for backend in backends:
-    for mode in MODES:
+  for mode in MODES:
+    timings = []
+    d_y = (inputs["d_y"],) if mode == "fwd_bwd" else ()
+    for backend in backends:
       row = {"shape": name, "mode": mode, "backend": backend, "tokens": num_tokens,
              "local_experts": shape.num_experts // common.GPUS_PER_NODE}
-      d_y = (inputs["d_y"],) if mode == "fwd_bwd" else ()
       if backend == "dense":
         rows_in = inputs["dense_rows"]
         arg_sets = [(rows_in, *inputs["experts"]) + ((inputs["dense_d_y"],) if d_y else ())]
         fn = dense_layer if mode == "fwd" else forward_backward(dense_layer, DENSE_DIFFERENTIABLE)
         flops = FLOPS_PER_MODE[mode] * rows_in.shape[0] * rows_in.shape[1] * shape.hidden * shape.intermediate
-        executable = common.Executable(fn, arg_sets[0])
-        rows.append(common.measure({**row, "routing": "equal"}, lambda: executable.timing(arg_sets, flops, args)))
+        timings.append(common.Timing({**row, "routing": "equal"}, common.Executable(fn, arg_sets[0]), arg_sets, flops))
         continue
       ragged_dot = {"xla": jax.lax.ragged_dot, "tokamax": tokamax[0]}.get(backend)
       layer = _routed_layer(backend, ragged_dot)
@@ -112,11 +113,11 @@ def benchmark_shape(name, shape, num_tokens, backends, tokamax, args):
       # Routing changes values only: one executable serves both.
       executable = common.Executable(fn, arg_sets["uniform"][0],
                                      unavailable=tokamax[1] if backend == "tokamax" else None)
-      for routing in common.ROUTINGS:
-        rows.append(common.measure({**row, "routing": routing},
-                                   lambda: executable.timing(arg_sets[routing], flops, args)))
+      timings += [common.Timing({**row, "routing": routing}, executable, arg_sets[routing], flops)
+                  for routing in common.ROUTINGS]
       if mode == "fwd_bwd" and backend in ("kittens", "xla"):
         memory.append(common.measure({"shape": name, "backend": backend, "recompute": False}, executable.memory))
+    rows += common.measure_interleaved(timings, args)
   if "kittens" in backends:  # recompute=True is compiled for its memory only
     weights, ids = inputs["routings"]["uniform"]
     layer = _routed_layer("kittens", None, recompute=True)

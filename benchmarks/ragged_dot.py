@@ -3,6 +3,7 @@
 At the MoE layer's two GEMM shapes of each model's single-GPU slice (E/8 local experts, T = 8192 tokens, top-k):
 "gate_up" [T*k, H] x [E_local, H, I] (the gate GEMM; up is the same) and "down" [T*k, I] x [E_local, I, H], with the
 group sizes of uniform and skewed routing. "dense" is the batched einsum over equal groups of T*k/E_local rows.
+Per shape and GEMM the backends' calls alternate (`common.time_interleaved`).
 
   python3 benchmarks/ragged_dot.py           # on the H200: benchmarks/results/ragged_dot_h200.json + .png
   python3 benchmarks/ragged_dot.py --smoke   # tiny shapes, any platform
@@ -56,26 +57,28 @@ def gemm_inputs(key, shape, num_tokens, gemm):
 
 
 def benchmark_shape(name, shape, num_tokens, backends, implementations, args):
+  """Rows of one model shape; per GEMM, every backend and routing timed in alternation."""
   rows = []
   for gemm in ("gate_up", "down"):
     inputs = gemm_inputs(jax.random.key(sum(map(ord, name + gemm))), shape, num_tokens, gemm)
+    timings = []
     for backend in backends:
       row = {"shape": name, "gemm": gemm, "mode": "fwd", "backend": backend, "lhs": list(inputs["lhs"][0].shape),
              "rhs": list(inputs["rhs"].shape)}
       if backend == "dense":
         dense_lhs = inputs["dense_lhs"]
-        executable = common.Executable(dense_dot, (dense_lhs, inputs["rhs"]))
+        arg_sets = [(dense_lhs, inputs["rhs"])]
         flops = 2 * dense_lhs.shape[0] * dense_lhs.shape[1] * dense_lhs.shape[2] * inputs["rhs"].shape[2]
-        rows.append(common.measure({**row, "routing": "equal"},
-                                   lambda: executable.timing([(dense_lhs, inputs["rhs"])], flops, args)))
+        timings.append(common.Timing({**row, "routing": "equal"}, common.Executable(dense_dot, arg_sets[0]), arg_sets,
+                                     flops))
         continue
       ragged_dot, missing = implementations[backend]
       arg_sets = {routing: [(lhs, inputs["rhs"], inputs["group_sizes"][routing]) for lhs in inputs["lhs"]]
                   for routing in common.ROUTINGS}
       executable = common.Executable(ragged_dot, arg_sets["uniform"][0], unavailable=missing)
-      for routing in common.ROUTINGS:
-        rows.append(common.measure({**row, "routing": routing},
-                                   lambda: executable.timing(arg_sets[routing], inputs["flops"], args)))
+      timings += [common.Timing({**row, "routing": routing}, executable, arg_sets[routing], inputs["flops"])
+                  for routing in common.ROUTINGS]
+    rows += common.measure_interleaved(timings, args)
   return rows
 
 

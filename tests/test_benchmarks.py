@@ -28,6 +28,72 @@ def test_layer_profile_smoke(tmp_path):
     assert listed == sorted(listed, reverse=True) and sum(listed) <= row["busy_ms"] * (1 + 1e-9)
 
 
+def _bench_common():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import common  # noqa: PLC0415 (the benchmarks folder is not a package)
+
+  return common
+
+
+def test_time_interleaved_alternates_and_records_failures():
+  common = _bench_common()
+  log = []
+
+  def call(name, fail_at=None):
+    def run(i):
+      log.append((name, i))
+      if i == fail_at:
+        raise RuntimeError(f"{name} failed")
+      return i
+    return run
+
+  fast, failing, broken = call("fast"), call("failing", fail_at=2), call("broken", fail_at=0)
+  results = common.time_interleaved([fast, failing, broken], iters=4, min_iters=1, budget_s=10.0)
+  # One warm-up each, then one timed call of each live function per round, in order.
+  assert log[:3] == [("fast", 0), ("failing", 0), ("broken", 0)]
+  assert log[3:] == [("fast", 1), ("failing", 1), ("fast", 2), ("failing", 2), ("fast", 3), ("fast", 4)]
+  assert results[0]["iters"] == 4 and results[0]["min_ms"] <= results[0]["median_ms"]
+  assert isinstance(results[1], RuntimeError) and str(results[1]) == "failing failed"
+  assert isinstance(results[2], RuntimeError) and str(results[2]) == "broken failed"
+
+
+def test_time_interleaved_budget_bounds_slow_functions():
+  common = _bench_common()
+  import time  # noqa: PLC0415
+
+  calls = {"slow": 0, "fast": 0}
+
+  def slow(i):
+    calls["slow"] += 1
+    time.sleep(0.05)
+
+  def fast(i):
+    calls["fast"] += 1
+
+  slow_result, fast_result = common.time_interleaved([slow, fast], iters=20, min_iters=3, budget_s=0.1)
+  # The slow one's first timed call (~50 ms) sets its count to max(min_iters, 0.1 s / 50 ms) = 3.
+  assert slow_result["iters"] == 3 and calls["slow"] == 4
+  assert fast_result["iters"] == 20 and calls["fast"] == 21
+  assert slow_result["median_ms"] >= 45
+
+
+def test_benchmark_tables_smoke(tmp_path):
+  """ragged_dot.py and layer.py end to end on the tiny shapes: every backend that exists here gets a timing."""
+  for script, name in (("ragged_dot.py", "ragged_dot_smoke"), ("layer.py", "layer_smoke")):
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", "--out-dir", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, text=True)
+    rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+    assert {r["backend"] for r in rows} == {"kittens", "xla", "tokamax", "dense"}
+    for row in rows:
+      if row["backend"] == "tokamax" and "error" in row:
+        assert "tokamax unavailable" in row["error"]  # not installed on CI
+        continue
+      assert "error" not in row, row
+      assert row["median_ms"] > 0 and row["iters"] >= 1 and row["tflops"] > 0
+      if row["backend"] != "dense":
+        assert row["vs_dense"] > 0
+
+
 def test_gemm_counters_cases_run(tmp_path):
   """Each case's launches (what ncu profiles on the GPU) run on the tiny shapes."""
   for case in ("swiglu_rows", "swiglu_gathered", "down", "dense_gate", "dense_down"):
