@@ -323,7 +323,7 @@ class Timing(NamedTuple):
 
 def measure_interleaved(timings: Sequence[Timing], args) -> list[dict]:
   """The rows of ``timings`` with median_ms, min_ms, iters and tflops, their executables timed in alternation
-  (`time_interleaved`), or with ``{"error": ...}`` (no executable, or its calls raised); printed as they come."""
+  (`time_interleaved`), or with ``{"error": ...}`` (no executable, or its calls raised); each printed."""
   rows = [dict(t.row) for t in timings]
   calls, timed = [], []
   for n, t in enumerate(timings):

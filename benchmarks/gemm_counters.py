@@ -2,8 +2,9 @@
 
 `layer_profile.py` says how long each kernel takes; this says why: tensor-pipe and issue utilisation, L2 and DRAM
 traffic, warp stalls. Each case of a model shape's single-GPU slice (layer.py's sizes and routings; the dense
-cases take equal groups, so they run once, beside the uniform routing) is one process that launches its kernel a few times; `ncu` profiles the last launch only (a kernel-name filter and
---launch-skip), with device memory not preallocated so that its replays save and restore little:
+cases take equal groups, so they run once, beside the uniform routing) is one process that launches its kernel a
+few times; `ncu` profiles the last launch only (a kernel-name filter and --launch-skip), with device memory not
+preallocated so that its replays save and restore little:
 
   swiglu_gathered   gmm_swiglu reading its rows from the tokens (cp.async)  x [T, H], row_tokens [R]
   dense_gate        cuBLAS, the dense chain's gate GEMM (half the SwiGLU GEMM's FLOPs)  [G, R/G, H] x [G, H, I]
