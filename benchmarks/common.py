@@ -69,6 +69,12 @@ def parse_args(description: str) -> argparse.Namespace:
   return args
 
 
+def results_name(table: str, args, backends: Sequence[str]) -> str:
+  """layer_h200, ragged_dot_smoke, ...; a run of some backends gets its own file (layer_h200_kittens_dense): it must
+  not replace the full run's."""
+  return f"{table}_{'smoke' if args.smoke else 'h200'}" + ("" if args.only is None else "_" + "_".join(backends))
+
+
 def shapes(args) -> dict[str, ModelShape]:
   return SMOKE_SHAPES if args.smoke else MODEL_SHAPES
 

@@ -144,9 +144,7 @@ def main():
     print(f"{name} done after {time.perf_counter() - start:.0f} s", flush=True)
   common.add_ratio(rows, "dense", ("shape", "mode"))  # dense has equal groups: one row per shape and mode
   common.add_ratio(rows, "tokamax", ("shape", "mode", "routing"))
-  # A run of some backends gets its own file (layer_h200_kittens_dense.json): it must not replace the full run's.
-  name = f"layer_{'smoke' if args.smoke else 'h200'}" + ("" if args.only is None else "_" + "_".join(backends))
-  common.write_results(name, args.out_dir, meta, rows,
+  common.write_results(common.results_name("layer", args, backends), args.out_dir, meta, rows,
                        ("shape", "mode", "routing"), extra={"memory": memory},
                        plot_rows=common.dense_beside_every_routing(rows))
   common.print_table(rows, TABLE)

@@ -97,7 +97,7 @@ def main():
     rows += benchmark_shape(name, shape, common.num_tokens(args), backends, implementations, args)
   common.add_ratio(rows, "dense", ("shape", "gemm"))
   common.add_ratio(rows, "tokamax", ("shape", "gemm", "routing"))
-  common.write_results(f"ragged_dot_{'smoke' if args.smoke else 'h200'}", args.out_dir, meta, rows,
+  common.write_results(common.results_name("ragged_dot", args, backends), args.out_dir, meta, rows,
                        ("shape", "gemm", "routing"), plot_rows=common.dense_beside_every_routing(rows))
   common.print_table(rows, TABLE)
 
