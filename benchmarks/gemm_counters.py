@@ -185,7 +185,47 @@ def profile_source(case, shape_name, routing, ncu, raw_dir, timeout_s):
   top = sorted(rows, key=lambda r: -r["samples"])[:SOURCE_TOP]
   return {"shape": shape_name, "routing": routing, "case": case, "columns": columns,
           "total_samples": sum(r["samples"] for r in rows), "total_executed": sum(r["executed"] for r in rows),
-          "instructions": len(rows), "top": top}
+          "instructions": len(rows), "regions": source_regions(rows), "top": top}
+
+
+def source_regions(rows) -> dict[str, float] | None:
+  """Shares of one of our grouped GEMM kernels' warp-stall samples by where the warps were, found at SASS landmarks
+  (None for other kernels, cuBLAS's among them). rows: the source table in address order, {"address", "sass",
+  "samples"}.
+
+  - idle: warps parked at the kernel's closing cluster barrier (UCGABAR_WAIT): the producer warpgroup's spare warps,
+    which issue nothing;
+  - main_loop: the consumers' k loop, from the target of the branch back after the last HGMMA through the wait for
+    the last wgmma (DEPBAR.LE gsb0, 0x0);
+  - tile_head: consumer code before it (the tile queue, the scheduler); epilogue: consumer code after it;
+  - producer: from the TMA descriptor prefetch (UTMACCTL.PF) on, where ptxas puts the producer's code.
+  The shares are of the busy warps' samples (all but idle): how much of a consumer's time goes between tiles.
+  """
+  sass = [r["sass"] for r in rows]
+  samples = [r["samples"] for r in rows]
+  index = {int(r["address"], 16): i for i, r in enumerate(rows) if r.get("address")}
+  hgmma = [i for i, text in enumerate(sass) if "HGMMA" in text]
+  producer = next((i for i, text in enumerate(sass) if "UTMACCTL.PF" in text), None)
+  if not hgmma or producer is None or producer < hgmma[-1]:
+    return None
+  begin = end = None
+  for i in range(hgmma[-1], producer):
+    target = sass[i].split("BRA", 1)[1].split()[0] if "BRA" in sass[i] else ""
+    if target.startswith("0x") and index.get(int(target, 16), len(rows)) < hgmma[0]:
+      begin = index[int(target, 16)]
+      end = next((j + 1 for j in range(i, producer) if "DEPBAR.LE gsb0, 0x0" in sass[j]), None)
+      break
+  idle = {i for i, text in enumerate(sass) if "UCGABAR_WAIT" in text}
+  total = sum(samples)
+  busy = total - sum(samples[i] for i in idle)
+  if begin is None or end is None or busy <= 0:
+    return None
+
+  def share(lo, hi):
+    return sum(samples[i] for i in range(lo, hi) if i not in idle) / busy
+
+  return {"idle_of_all": 1 - busy / total, "tile_head": share(0, begin), "main_loop": share(begin, end),
+          "epilogue": share(end, producer), "producer": share(producer, len(rows))}
 
 
 def main() -> None:
@@ -249,6 +289,8 @@ def report_counters(row) -> str:
 def report_source(row) -> str:
   head = (f"{row['instructions']} instructions, {row['total_samples']:.0f} samples, "
           f"{row['total_executed']:.3g} warp instructions executed")
+  if row.get("regions"):
+    head += "\n    shares: " + ", ".join(f"{name} {value:.3f}" for name, value in row["regions"].items())
   return "\n".join([head, *(f"    {r['samples']:8.0f} {r['not_issued']:8.0f} {r['executed']:10.0f}  {r['address']}  "
                              f"{r['sass']}" for r in row["top"][:15])])
 

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -121,3 +123,28 @@ def test_gemm_counters_reads_ncu_csv():
   assert metrics["GPU Speed Of Light Throughput / Duration"] == {"value": 1070336.0, "unit": "ns"}
   assert metrics["Memory Workload Analysis / L2 Hit Rate"]["value"] == 83.12
   assert metrics["Launch Statistics / Function Cache Configuration"]["value"] == "CachePreferNone"
+
+
+def test_gemm_counters_source_regions():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import gemm_counters  # noqa: PLC0415 (the benchmarks folder is not a package)
+
+  listing = [  # (sass, warp-stall samples): a consumer's tile head, k loop and epilogue, then the producer
+      ("LOP3.LUT R4, R4, 0x1, RZ, 0xc0, !PT", 6),
+      ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+UR8], R4", 10),  # the k loop's top
+      ("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspB, R24, gsb0", 20),
+      ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 40),
+      ("@!P0 BRA 0x1010", 10),
+      ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 4),
+      ("STSM.16.M88.4 [R0], R8", 8),
+      ("UTMACCTL.PF [UR4]", 1),
+      ("UTMALDG.2D desc[UR14], [UR16], [UR4]", 1),
+      ("UCGABAR_WAIT", 100),
+  ]
+  rows = [{"address": hex(0x1000 + 16 * i), "sass": sass, "samples": float(samples)}
+          for i, (sass, samples) in enumerate(listing)]
+  regions = gemm_counters.source_regions(rows)
+  assert regions["idle_of_all"] == 0.5
+  shares = [regions[name] for name in ("tile_head", "main_loop", "epilogue", "producer")]
+  assert shares == pytest.approx([0.06, 0.84, 0.08, 0.02])
+  assert gemm_counters.source_regions([r for r in rows if "HGMMA" not in r["sass"]]) is None
