@@ -11,8 +11,10 @@
 //    the other one alone. setmaxnreg moves registers from the producer to the consumers.
 //  - The tile scheduler runs on the device: linear tile indices map to (group, m block, n block) through
 //    group_offsets, so nothing is synced to the host; the decomposition is kernels/grouped_gemm.h's, which the CPU
-//    twins walk too. CTAs (clusters) claim tiles in order from a global counter as they free up (see "Tile queue"),
-//    and the producer hands each claimed index to the CTA's consumers through a small shared-memory ring.
+//    twins walk too. CTAs (clusters) claim tiles in order from a global counter as they free up (see "Tile queue");
+//    the producer decodes each claimed tile and hands it to the CTA's consumers through a small shared-memory ring
+//    (see "Tile ring"), so that the consumers go from one tile's epilogue to the next tile's k loop without the
+//    scheduler's arithmetic.
 //  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
 //    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
@@ -20,8 +22,8 @@
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
 //  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): the whole
 //    producer warpgroup then copies the lhs lines with cp.async (see "Gathered lhs"), without clusters.
-//  - Every mbarrier wait but the tile queue's pop has a 20 s deadline (then __trap), so a broken pipeline fails the
-//    launch instead of hanging (the pop waits on a thread whose own waits have one).
+//  - Every mbarrier wait but the tile queue's and the tile ring's pops has a 20 s deadline (then __trap), so a broken
+//    pipeline fails the launch instead of hanging (the pops wait on a thread whose own waits have one).
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
 //    read by wgmma through matrix descriptors; K-major operands advance 32 B per k16 step inside the swizzle atom,
 //    MN-major operands (the rhs [K, N] of a forward GEMM, both operands of tgmm) advance two 8-row groups (2 KB).
@@ -60,10 +62,12 @@ constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kStoreRows = 16;  // a consumer warp's rows of its fragment: each warp stores its own boxes
 constexpr int kStoreBytes = kStoreRows * kLineBytes;  // 2 KB: 16 x 64 bf16
 constexpr int kStagingBytes = 8 * 2 * kStoreBytes;    // two store buffers per consumer warp
-constexpr int kTileSlots = 4;  // the tile queue's ring: tile indices claimed ahead of the slowest reader
+constexpr int kTileSlots = 4;  // the tile queue's and the tile ring's slots: tiles ahead of the slowest reader
 constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
-constexpr int kSmemBytes =
-    kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 + kQueueBytes;
+constexpr int kTileBytes = 32;  // a decoded Tile
+constexpr int kRingBytes = kTileSlots * kTileBytes + 2 * kTileSlots * 8;
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 +
+                           kQueueBytes + kRingBytes;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
@@ -117,6 +121,7 @@ struct Tile {
   int32_t written;  // row-grouped: rows of the tile to write (data + padding)
   int32_t m0, n0;   // tgmm: output row and column; row-grouped: n0 only
   int32_t n_block;
+  int32_t k_steps;  // of the main loop; 0: written as zeros without loading anything; -1: past the last tile
 };
 
 template <Mode kMode, int kBlockN>
@@ -125,29 +130,23 @@ struct Scheduler {
 
   __device__ explicit Scheduler(const Params& p) : rows(p.layout, p.n) {}
 
-  // Maps linear tile t (nondecreasing across calls) to a tile; false when t is past the last tile.
-  __device__ bool get(const Params& p, int32_t t, Tile* tile) {
+  // Maps linear tile t (nondecreasing across calls) to a tile, with k_steps -1 when t is past the last tile.
+  __device__ Tile get(const Params& p, int32_t t) {
     if constexpr (kMode == Mode::kTgmm) {
       ContractionTile c;
-      if (!contraction_tile<kBlockM, kBlockN>(p.layout, p.m_extent, p.n, t, &c)) return false;
-      *tile = {c.group, c.row0, c.valid, 0, c.m0, c.n0, 0};
-      return true;
+      if (!contraction_tile<kBlockM, kBlockN>(p.layout, p.m_extent, p.n, t, &c)) return past_the_end();
+      return {c.group, c.row0, c.valid, 0, c.m0, c.n0, 0, (c.valid + kBlockK - 1) / kBlockK};
     } else {
       RowTile r;
-      if (!rows.get(p.layout, t, &r)) return false;
-      *tile = {r.group, r.row0, r.valid, r.written, 0, r.n0, r.n_block};
-      return true;
+      if (!rows.get(p.layout, t, &r)) return past_the_end();
+      return {r.group, r.row0, r.valid, r.written, 0, r.n0, r.n_block, r.valid > 0 ? p.k_steps1 + p.k_steps2 : 0};
     }
   }
 
-  // k steps of a tile's main loop; 0 means the tile is written as zeros without loading anything.
-  __device__ int32_t k_steps(const Params& p, const Tile& tile) const {
-    if constexpr (kMode == Mode::kTgmm) return (tile.valid + kBlockK - 1) / kBlockK;
-    return tile.valid > 0 ? p.k_steps1 + p.k_steps2 : 0;
-  }
+  __device__ static Tile past_the_end() { return {0, 0, 0, 0, 0, 0, 0, -1}; }
 
   // Whether consumer c's 64 rows of the tile hold data (tgmm: lie inside K, a multiple of 64), i.e. have products.
-  __device__ bool consumer_has_rows(const Params& p, const Tile& tile, int consumer) const {
+  __device__ static bool consumer_has_rows(const Params& p, const Tile& tile, int consumer) {
     if constexpr (kMode == Mode::kTgmm) return tile.m0 + 64 * consumer < p.m_extent;
     return 64 * consumer < tile.valid;
   }
@@ -203,10 +202,10 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity)
 // The unit of a claim is a cluster's pair of tiles (kCluster * pair + rank). Each cluster's first pair is its own
 // index; later ones are gridDim.x / kCluster + atomicAdd(tile_counter, 1). Producer thread 0 of the cluster's rank 0
 // (the fetcher) claims a pair when it starts loading the tile and writes it into slot i % kTileSlots of every CTA of
-// the cluster, with the slot's full barrier there. The readers (the producer threads and the consumer warps of each
-// CTA) wait for it, read it and arrive on rank 0's empty barrier of the slot, which the fetcher waits for before it
-// writes the slot again (a CTA-scope arrival, like a consumer's release of a stage that the peer then refills). The
-// pair past the last tile is published too: it stops every reader.
+// the cluster, with the slot's full barrier there. The readers (the producer threads of each CTA) wait for it, read
+// it and arrive on rank 0's empty barrier of the slot, which the fetcher waits for before it writes the slot again
+// (a CTA-scope arrival, like a consumer's release of a stage that the peer then refills). The pair past the last tile
+// is published too: it stops every reader.
 
 // The shared::cluster address of a shared-memory address of this CTA, in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t in_cta(uint32_t local, uint32_t rank) {
@@ -217,14 +216,14 @@ __device__ __forceinline__ uint32_t in_cta(uint32_t local, uint32_t rank) {
 
 template <int kCluster>
 struct TileQueue {
-  // kQueueBytes of shared memory from `base` on (the address alone, so that the consumers keep one register for
-  // it): full barriers [kTileSlots] (one arrival: the fetcher's), empty barriers [kTileSlots] (rank 0's count every
-  // reader warp of the cluster), then the claimed pairs int32 [kTileSlots].
+  // kQueueBytes of shared memory from `base` on: full barriers [kTileSlots] (one arrival: the fetcher's), empty
+  // barriers [kTileSlots] (rank 0's count every reader warp of the cluster), then the claimed pairs int32
+  // [kTileSlots].
   uint32_t base;
   uint32_t index = 0;
 
-  // The count of the empty barriers: per CTA, the producer's reader warps and the 8 consumer warps.
-  static constexpr int readers(bool gathered_lhs) { return kCluster * ((gathered_lhs ? 4 : 1) + 8); }
+  // The count of the empty barriers: per CTA, the producer's reader warps (4 copy the gathered lhs, else thread 0).
+  static constexpr int readers(bool gathered_lhs) { return kCluster * (gathered_lhs ? 4 : 1); }
 
   __device__ uint32_t full(uint32_t slot) const { return base + 8 * slot; }
   __device__ uint32_t empty(uint32_t slot) const { return base + 8 * (kTileSlots + slot); }
@@ -270,10 +269,9 @@ struct TileQueue {
   }
 
   // Every reader: the next claimed pair. kWholeWarp: all 32 lanes call it and lane 0 arrives for them; otherwise
-  // a lone thread (producer thread 0 without a gathered lhs) arrives for itself.
-  // This wait alone has no deadline (one here cost the consumers ~2 KB of register spills in the dgrad kernel): the
-  // fetcher publishes every index up to the one past the last tile, unless one of its own waits, which have
-  // deadlines, traps first and ends the launch.
+  // a lone thread (producer thread 0 without a gathered lhs) arrives for itself. No deadline, as the tile ring's
+  // pop (below): the fetcher publishes every index up to the one past the last tile, unless one of its own waits
+  // traps first.
   template <bool kWholeWarp>
   __device__ int32_t pop() {
     const uint32_t slot = index % kTileSlots;
@@ -285,6 +283,70 @@ struct TileQueue {
     if (!kWholeWarp || threadIdx.x % 32 == 0) arrive(empty(slot), 0);
     ++index;
     return pair;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tile ring: the producer's thread 0 decodes each tile it pops from the queue (Scheduler::get, whose divisions and
+// group walk would otherwise run in every consumer warp between two tiles, while the tensor cores wait) and writes it
+// into slot i % kTileSlots of a CTA-local ring, ahead of the tile's stages. The 8 consumer warps wait on the slot's
+// full barrier (the producer's arrival releases the write), read the tile and arrive on the slot's empty barrier,
+// which the producer waits for before it writes the slot again. The tile past the last one (k_steps -1) goes through
+// the ring too and stops the consumers.
+// These waits have no deadline (one here cost the consumers ~2 KB of register spills in the dgrad kernel): the
+// producer pushes every tile up to the one past the last, unless one of its own waits, which have deadlines, traps
+// first and ends the launch.
+struct TileRing {
+  // kRingBytes of shared memory from `base` on (16-byte aligned; the address alone, so that the consumers keep one
+  // register for it): the tiles [kTileSlots], then full barriers [kTileSlots] (one arrival: the producer's) and
+  // empty barriers [kTileSlots] (8 arrivals: the consumer warps').
+  uint32_t base;
+  uint32_t index = 0;
+  static_assert(sizeof(Tile) == kTileBytes, "a tile is two 16-byte words");
+
+  __device__ uint32_t tile_at(uint32_t slot) const { return base + kTileBytes * slot; }
+  __device__ uint32_t full(uint32_t slot) const { return base + kTileBytes * kTileSlots + 8 * slot; }
+  __device__ uint32_t empty(uint32_t slot) const { return full(kTileSlots + slot); }
+
+  __device__ void init() const {
+    for (uint32_t slot = 0; slot < kTileSlots; ++slot) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full(slot)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(empty(slot)) : "memory");
+    }
+  }
+
+  // Producer thread 0.
+  __device__ void push(const Tile& tile) {
+    const uint32_t slot = index % kTileSlots;
+    wait_barrier_at(empty(slot), ((index / kTileSlots) & 1) ^ 1);
+    asm volatile("st.shared::cta.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(tile_at(slot)), "r"(tile.group),
+                 "r"(tile.row0), "r"(tile.valid), "r"(tile.written)
+                 : "memory");
+    asm volatile("st.shared::cta.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(tile_at(slot) + 16), "r"(tile.m0),
+                 "r"(tile.n0), "r"(tile.n_block), "r"(tile.k_steps)
+                 : "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full(slot)) : "memory");
+    ++index;
+  }
+
+  // Every consumer warp, all 32 lanes; lane 0 arrives for the warp.
+  __device__ Tile pop() {
+    const uint32_t slot = index % kTileSlots;
+    while (!try_wait_barrier(full(slot), (index / kTileSlots) & 1)) {
+    }
+    Tile tile;
+    asm volatile("ld.shared::cta.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(tile.group), "=r"(tile.row0), "=r"(tile.valid), "=r"(tile.written)
+                 : "r"(tile_at(slot))
+                 : "memory");
+    asm volatile("ld.shared::cta.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(tile.m0), "=r"(tile.n0), "=r"(tile.n_block), "=r"(tile.k_steps)
+                 : "r"(tile_at(slot) + 16)
+                 : "memory");
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty(slot)) : "memory");
+    ++index;
+    return tile;
   }
 };
 
@@ -775,10 +837,11 @@ struct StageRelease {
   }
 };
 
-// thread: 0 (TMA loads only) or, with a gathered lhs, 0..127 (thread 0 also issues the rhs loads).
+// thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered lhs, 0..127 (thread 0 also
+// issues the rhs loads).
 template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
-                                         uint64_t* empty, TileQueue<kCluster>& queue, int thread) {
+                                         uint64_t* empty, TileQueue<kCluster>& queue, TileRing& ring, int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   if (thread == 0) {
     if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
@@ -791,15 +854,16 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   const int32_t clusters = gridDim.x / kCluster;
   int32_t pair = blockIdx.x / kCluster;
   Scheduler<kMode, kBlockN> scheduler(p);
-  Tile tile;
   uint32_t it = 0;
   for (;;) {
     if (fetcher) queue.publish(pair);
-    if (!scheduler.get(p, kCluster * queue.template pop<kGatherLhs>() + static_cast<int32_t>(rank), &tile)) break;
+    const Tile tile = scheduler.get(p, kCluster * queue.template pop<kGatherLhs>() + static_cast<int32_t>(rank));
+    if (thread == 0) ring.push(tile);
+    if (tile.k_steps < 0) break;
     // Claimed now, when this CTA starts loading, so that the claims follow the order the CTAs free up in; the
     // ring holds kStages steps of work over the atomic's latency.
     if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
-    const int32_t steps = scheduler.k_steps(p, tile);
+    const int32_t steps = tile.k_steps;
     if (steps == 0) continue;
     GatherLines lines;
     if constexpr (kGatherLhs) lines = gather_lines(p, tile, thread);
@@ -822,7 +886,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
 
 template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
-                                         uint64_t* full, uint64_t* empty, TileQueue<kCluster>& queue) {
+                                         uint64_t* full, uint64_t* empty, TileRing& ring) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kAMn = OperandLayout<kMode>::kAMnMajor;
   // Broadcast from lane 0, so that the compiler knows them warp-uniform and keeps the k loop's stage arithmetic
@@ -832,7 +896,6 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
   StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + (threadIdx.x / 32 - 4) * 2 * kStoreBytes};
-  const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   // Stage 0's full barrier and the consumer's operands there; stage s is kStageBytes (barrier: 8 bytes) further.
   const uint32_t full0 = cute::cast_smem_ptr_to_uint(full);
   const uint32_t stage0 = cute::cast_smem_ptr_to_uint(smem);
@@ -840,15 +903,14 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const uint32_t b_desc0 = descriptor_low(stage0 + kABytes, kBMnMajor);
   const StageRelease<kCluster> release(empty);
   float acc[kAccumulators];
-  Scheduler<kMode, kBlockN> scheduler(p);
-  Tile tile;
+  using Schedule = Scheduler<kMode, kBlockN>;
   uint32_t it = 0;
   // The tile loop's conditions are votes (warp-uniform, as far as the compiler knows), so the stage counter stays
   // in uniform registers too.
   for (;;) {
-    const bool more = scheduler.get(p, kCluster * queue.template pop<true>() + static_cast<int32_t>(rank), &tile);
-    if (!__any_sync(0xFFFFFFFF, more)) break;
-    const int32_t steps = __shfl_sync(0xFFFFFFFF, scheduler.k_steps(p, tile), 0);
+    const Tile tile = ring.pop();
+    if (!__any_sync(0xFFFFFFFF, tile.k_steps >= 0)) break;
+    const int32_t steps = __shfl_sync(0xFFFFFFFF, tile.k_steps, 0);
     // Waits for the stage of k step ks (tgmm: and fixes it up).
     auto acquire = [&](int32_t ks, uint32_t stage) {
       wait_barrier_at(full0 + 8 * stage, (it / kStages) & 1);
@@ -856,7 +918,7 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
       if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
-    if (__any_sync(0xFFFFFFFF, scheduler.consumer_has_rows(p, tile, consumer))) {
+    if (__any_sync(0xFFFFFFFF, Schedule::consumer_has_rows(p, tile, consumer))) {
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
         const uint32_t stage = it % kStages;
         acquire(ks, stage);
@@ -905,6 +967,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
   TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(empty + kStages)};
+  TileRing ring{queue.base + kQueueBytes};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -912,6 +975,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
     }
     queue.init(kGatherLhs);
+    ring.init();
     cutlass::arch::fence_barrier_init();
   }
   // The peer multicasts into this CTA's stages and arrives on its barriers: they must be initialised first.
@@ -924,10 +988,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (kGatherLhs || threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster, kGatherLhs>(maps, p, smem, full, empty,
-                                                                                          queue, threadIdx.x);
+                                                                                          queue, ring, threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, queue);
+    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, ring);
   }
   // Until its last k step the peer still multicasts into this CTA and arrives on its barriers (the stages' and the
   // tile queue's): neither CTA of a cluster exits before both are done.
