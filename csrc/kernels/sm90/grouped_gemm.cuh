@@ -861,7 +861,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
     if (thread == 0) ring.push(tile);
     if (tile.k_steps < 0) break;
     // Claimed now, when this CTA starts loading, so that the claims follow the order the CTAs free up in; the
-    // ring holds kStages steps of work over the atomic's latency.
+    // stage ring holds kStages steps of work over the atomic's latency.
     if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
     const int32_t steps = tile.k_steps;
     if (steps == 0) continue;
