@@ -586,7 +586,10 @@ struct StagedStore {
     }
     cute::tma_store_fence();  // the generic-proxy writes must be visible to the TMA (async proxy)
     __syncwarp();
-    if (lane == 0) {
+    // Lane 0, whose bulk groups the waits above and drain() wait for (the whole warp is here). Elected, not tested
+    // for: the compiler then knows that one thread issues, and reads the store's operands into uniform registers
+    // without a loop over the lanes' values.
+    if (cute::elect_one_sync()) {
       void* smem = __cvta_shared_to_generic(buffer);
       if constexpr (kRank == 2) {
         cute::SM90_TMA_STORE_2D::copy(map, smem, x, y);
@@ -601,6 +604,36 @@ struct StagedStore {
   // Shared memory must outlive the stores' reads of it.
   __device__ __forceinline__ void drain(int lane) const {
     if (lane == 0) cute::tma_store_wait<0>();
+  }
+};
+
+// A finished tile's staged bf16 chunks, packed in registers, wait there to be stored while the next tile's first k
+// steps run: the consumer stores one chunk after issuing each of those steps' wgmma, so the tensor cores do not idle
+// through the stores (stmatrix, the proxy fence, the TMA issue) at every tile's end, as they did when both
+// consumers stored there at once. Slot i holds chunk column_of(i) of output output_of(i): gmm and tgmm the tile's
+// four chunks; gmm_swiglu its two act chunks, then the saved gate's two (the saved up's are stored at once). The
+// dgrad epilogue (which loads the saved gate and up as well) and float32 outputs store at once: no slots.
+template <Mode kMode, typename OutT>
+struct PendingChunks {
+  static constexpr int kSlots = sizeof(OutT) == 2 && kMode != Mode::kSwigluDgrad ? 4 : 0;
+  static constexpr int output_of(int slot) { return kMode == Mode::kSwiglu ? slot / 2 : 0; }
+  static constexpr int column_of(int slot) { return kMode == Mode::kSwiglu ? slot % 2 : slot; }
+
+  ChunkPairs pairs[kSlots > 0 ? kSlots : 1];
+  uint32_t live = 0;  // bit i: slot i waits to be stored
+  int32_t x0, y, z;   // the TMA coordinates of the warp's rows of the tile's chunk 0 (column, row, group)
+
+  // Slot `slot` (a constant after unrolling, so that pairs stays in registers) to its output, if it waits.
+  __device__ __forceinline__ void store(int slot, const TensorMaps& maps, StagedStore& staged, int lane) {
+    if (!((live >> slot) & 1)) return;
+    staged.store<kMode == Mode::kTgmm ? 3 : 2>(&maps.out[output_of(slot)], pairs[slot], lane,
+                                               x0 + 64 * column_of(slot), y, z);
+    live &= ~(1u << slot);
+  }
+
+  __device__ __forceinline__ void flush(const TensorMaps& maps, StagedStore& staged, int lane) {
+#pragma unroll
+    for (int slot = 0; slot < kSlots; ++slot) store(slot, maps, staged, lane);
   }
 };
 
@@ -723,8 +756,12 @@ __device__ __forceinline__ void swiglu_dgrad_chunk(const float* acc, const Saved
 template <Mode kMode, int kBlockN, typename OutT>
 __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p, const Tile& tile, bool has_data,
                                          const float* acc, int consumer, int warp, int lane,
-                                         StagedStore& staged) {
+                                         StagedStore& staged, PendingChunks<kMode, OutT>& pending) {
   const EpilogueRows rows = epilogue_rows<kMode, OutT>(p, tile, has_data, consumer, warp, lane);
+  constexpr bool kDefer = PendingChunks<kMode, OutT>::kSlots > 0;
+  pending.x0 = tile.n0;
+  pending.y = rows.first + kStoreRows * warp;
+  pending.z = kMode == Mode::kTgmm ? tile.group : 0;
   const int col_in_chunk = 2 * (lane & 3);
   // Row-major [*, n] output o, offset to the tile's group (tgmm) and to the warpgroup's first row.
   auto out_rows = [&](int o) {
@@ -746,14 +783,15 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
       for (int jj = 0; jj < 8; ++jj) *reinterpret_cast<Pair*>(out + line * p.n + 8 * jj) = pair_at(h, jj);
     }
   };
-  auto emit = [&](int o, int c, const ChunkPairs& pairs) {
-    const int32_t col0 = tile.n0 + 64 * c;
+  // Chunk c of output o: held in pending slot `slot` (a constant, -1: none) or stored now.
+  auto emit = [&](int o, int c, const ChunkPairs& pairs, int slot) {
     if (!rows.staged) {
       store_from_registers(o, c, [&](int h, int jj) { return pairs.v[2 * jj + h]; });
-    } else if constexpr (kMode == Mode::kTgmm) {
-      staged.store<3>(&maps.out[o], pairs, lane, col0, rows.first + kStoreRows * warp, tile.group);
+    } else if (slot >= 0) {
+      pending.pairs[slot] = pairs;
+      pending.live |= 1u << slot;
     } else {
-      staged.store<2>(&maps.out[o], pairs, lane, col0, rows.first + kStoreRows * warp, 0);
+      staged.store<kMode == Mode::kTgmm ? 3 : 2>(&maps.out[o], pairs, lane, tile.n0 + 64 * c, pending.y, pending.z);
     }
   };
 
@@ -774,13 +812,14 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
         return rows.data[h] ? make_float2(acc[i], acc[i + 1]) : make_float2(0.0f, 0.0f);
       });
     } else if constexpr (kMode == Mode::kGmm || kMode == Mode::kTgmm) {
-      emit(0, c, pack_chunk(acc, c, rows));
+      emit(0, c, pack_chunk(acc, c, rows), kDefer ? c : -1);
     } else if constexpr (kMode == Mode::kSwiglu) {
       emit(0, c, p.clamp.active() ? swiglu_chunk(acc, c, rows, p.clamp)
-                                  : swiglu_chunk(acc, c, rows, SwigluClamp{0.0f}));
+                                  : swiglu_chunk(acc, c, rows, SwigluClamp{0.0f}),
+           kDefer ? c : -1);
       if (p.out2 != nullptr) {
-        emit(1, c, pack_chunk(acc, c, rows));
-        emit(2, c, pack_chunk(acc, c + kUpOffset / 32, rows));
+        emit(1, c, pack_chunk(acc, c, rows), kDefer ? 2 + c : -1);
+        emit(2, c, pack_chunk(acc, c + kUpOffset / 32, rows), -1);
       }
     } else {  // kSwigluDgrad
       const SavedGateUp saved = load_saved_gate_up(p, tile, rows, c, warp, lane);
@@ -790,8 +829,8 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
       } else {
         swiglu_dgrad_chunk(acc, saved, c, rows, weights, SwigluClamp{0.0f}, &d_gate, &d_up, row_partial);
       }
-      emit(0, c, d_gate);
-      emit(1, c, d_up);
+      emit(0, c, d_gate, -1);
+      emit(1, c, d_up, -1);
     }
   }
   if constexpr (kMode == Mode::kSwigluDgrad) {
@@ -895,7 +934,9 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
   const int consumer_thread = threadIdx.x - 128;
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
-  StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + (threadIdx.x / 32 - 4) * 2 * kStoreBytes};
+  StagedStore staged{cute::cast_smem_ptr_to_uint(staging) + (4 * consumer + warp) * 2 * kStoreBytes};
+  PendingChunks<kMode, OutT> pending;
+  constexpr int kSlots = PendingChunks<kMode, OutT>::kSlots;
   // Stage 0's full barrier and the consumer's operands there; stage s is kStageBytes (barrier: 8 bytes) further.
   const uint32_t full0 = cute::cast_smem_ptr_to_uint(full);
   const uint32_t stage0 = cute::cast_smem_ptr_to_uint(smem);
@@ -918,24 +959,45 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
       if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
-    if (__any_sync(0xFFFFFFFF, Schedule::consumer_has_rows(p, tile, consumer))) {
-      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
-        const uint32_t stage = it % kStages;
-        acquire(ks, stage);
-        const uint32_t stage_offset = stage * (kStageBytes >> 4);
-        fence_accumulators(acc);
-        cute::warpgroup_arrive();
+    // k step ks's wgmma, left in flight.
+    auto issue = [&](int32_t ks) {
+      const uint32_t stage = it % kStages;
+      acquire(ks, stage);
+      const uint32_t stage_offset = stage * (kStageBytes >> 4);
+      fence_accumulators(acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          wgmma<kAMn, kBMnMajor>(descriptor(a_desc0, stage_offset + kk * k16_advance(kAMn)),
-                                 descriptor(b_desc0, stage_offset + kk * k16_advance(kBMnMajor)), acc,
-                                 ks > 0 || kk > 0);
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        wgmma<kAMn, kBMnMajor>(descriptor(a_desc0, stage_offset + kk * k16_advance(kAMn)),
+                               descriptor(b_desc0, stage_offset + kk * k16_advance(kBMnMajor)), acc,
+                               ks > 0 || kk > 0);
+      }
+      cute::warpgroup_commit_batch();
+    };
+    // Keeps k step ks's wgmma in flight while releasing the previous step's stage.
+    auto retire = [&](int32_t ks) {
+      cute::warpgroup_wait<1>();
+      fence_accumulators(acc);
+      if (ks > 0 && lane == 0) release((it - 1) % kStages);
+    };
+    if (__any_sync(0xFFFFFFFF, Schedule::consumer_has_rows(p, tile, consumer))) {
+      int32_t ks = 0;
+      if constexpr (kSlots > 0) {
+        // The previous tile's pending chunks, one behind each of the first k steps (unrolled: the slots are
+        // registers); a tile too short for that stores them first.
+        if (steps >= kSlots) {
+#pragma unroll
+          for (int slot = 0; slot < kSlots; ++slot, ++ks, ++it) {
+            issue(slot);
+            pending.store(slot, maps, staged, lane);
+            retire(slot);
+          }
         }
-        cute::warpgroup_commit_batch();
-        // Keep this step's wgmma in flight while releasing the previous step's stage.
-        cute::warpgroup_wait<1>();
-        fence_accumulators(acc);
-        if (ks > 0 && lane == 0) release((it - 1) % kStages);
+        pending.flush(maps, staged, lane);
+      }
+      for (; ks < steps; ++ks, ++it) {
+        issue(ks);
+        retire(ks);
       }
       cute::warpgroup_wait<0>();
       fence_accumulators(acc);
@@ -944,13 +1006,15 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       // No data in this consumer's 64 rows (they are written as zeros): it only takes part in the stage hand-offs,
       // and the tensor cores serve the other consumer alone. A separate loop keeps the wgmma loop above free of
       // branches, which ptxas would otherwise answer by waiting for every wgmma before issuing the next.
+      pending.flush(maps, staged, lane);
       for (int32_t ks = 0; ks < steps; ++ks, ++it) {
         acquire(ks, it % kStages);
         if (lane == 0) release(it % kStages);
       }
     }
-    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged);
+    epilogue<kMode, kBlockN, OutT>(maps, p, tile, steps > 0, acc, consumer, warp, lane, staged, pending);
   }
+  pending.flush(maps, staged, lane);
   staged.drain(lane);
 }
 
