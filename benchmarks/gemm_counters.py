@@ -188,16 +188,18 @@ def profile_source(case, shape_name, routing, ncu, raw_dir, timeout_s):
           "instructions": len(rows), "regions": source_regions(rows), "top": top}
 
 
-def source_regions(rows) -> dict[str, float] | None:
+def source_regions(rows) -> dict[str, float | bool] | None:
   """Shares of one of our grouped GEMM kernels' warp-stall samples by where the warps were, found at SASS landmarks
   (None for other kernels, cuBLAS's among them). rows: the source table in address order, {"address", "sass",
   "samples"}.
 
   - idle: warps parked at the kernel's closing cluster barrier (UCGABAR_WAIT): the producer warpgroup's spare warps,
     which issue nothing;
-  - main_loop: the consumers' k loop, from the target of the branch back after the last HGMMA through the wait for
-    the last wgmma (DEPBAR.LE gsb0, 0x0);
-  - tile_head: consumer code before it (the tile queue, the scheduler); epilogue: consumer code after it;
+  - main_loop: the consumers' k loop, from the target of the first branch back across the last HGMMA through the
+    wait for the last wgmma (DEPBAR.LE gsb0, 0x0);
+  - tile_head: consumer code before it (the tile ring, and since 58b4d7d the k steps unrolled ahead of the loop
+    that store the previous tile's held chunks: `head_k_steps` says whether it has HGMMAs); epilogue: consumer code
+    after it;
   - producer: from the TMA descriptor prefetch (UTMACCTL.PF) on, where ptxas puts the producer's code.
   The shares are of the busy warps' samples (all but idle): how much of a consumer's time goes between tiles.
   """
@@ -211,7 +213,7 @@ def source_regions(rows) -> dict[str, float] | None:
   begin = end = None
   for i in range(hgmma[-1], producer):
     target = sass[i].split("BRA", 1)[1].split()[0] if "BRA" in sass[i] else ""
-    if target.startswith("0x") and index.get(int(target, 16), len(rows)) < hgmma[0]:
+    if target.startswith("0x") and index.get(int(target, 16), len(rows)) < hgmma[-1]:
       begin = index[int(target, 16)]
       end = next((j + 1 for j in range(i, producer) if "DEPBAR.LE gsb0, 0x0" in sass[j]), None)
       break
@@ -225,7 +227,7 @@ def source_regions(rows) -> dict[str, float] | None:
     return sum(samples[i] for i in range(lo, hi) if i not in idle) / busy
 
   return {"idle_of_all": 1 - busy / total, "tile_head": share(0, begin), "main_loop": share(begin, end),
-          "epilogue": share(end, producer), "producer": share(producer, len(rows))}
+          "epilogue": share(end, producer), "producer": share(producer, len(rows)), "head_k_steps": hgmma[0] < begin}
 
 
 def main() -> None:

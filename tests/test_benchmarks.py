@@ -147,4 +147,15 @@ def test_gemm_counters_source_regions():
   assert regions["idle_of_all"] == 0.5
   shares = [regions[name] for name in ("tile_head", "main_loop", "epilogue", "producer")]
   assert shares == pytest.approx([0.06, 0.84, 0.08, 0.02])
+  assert not regions["head_k_steps"]
   assert gemm_counters.source_regions([r for r in rows if "HGMMA" not in r["sass"]]) is None
+
+  # k steps unrolled ahead of the loop (the held chunks' stores): the loop is still the branch back across the last
+  # HGMMA, and the unrolled steps count to the tile head.
+  peeled = listing[:1] + [("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspB, RZ, !UPT, gsb0", 30)] + listing[1:]
+  rows = [{"address": hex(0x1000 + 16 * i), "sass": sass, "samples": float(samples)}
+          for i, (sass, samples) in enumerate(peeled)]
+  rows[5]["sass"] = "@!P0 BRA 0x1020"  # the loop's top moved one instruction down
+  regions = gemm_counters.source_regions(rows)
+  assert regions["head_k_steps"]
+  assert [regions[name] for name in ("tile_head", "main_loop")] == pytest.approx([36 / 130, 84 / 130])
