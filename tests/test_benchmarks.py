@@ -159,3 +159,17 @@ def test_gemm_counters_source_regions():
   regions = gemm_counters.source_regions(rows)
   assert regions["head_k_steps"]
   assert [regions[name] for name in ("tile_head", "main_loop")] == pytest.approx([36 / 130, 84 / 130])
+
+
+def test_gpu_power_summarizes_nvidia_smi_samples():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import gpu_power  # noqa: PLC0415 (the benchmarks folder is not a package)
+
+  fields = ["power.draw", "clocks.sm", "clocks_event_reasons.sw_power_cap"]
+  lines = ["690.5, 1560, Active", "700.5, 1540, Active", "[N/A], 1600, Not Active", "garbled line"]
+  summary = gpu_power.summarize(lines, fields)
+  assert summary["power_w"] == pytest.approx(695.5)
+  assert summary["sm_mhz"] == pytest.approx(1566.6667, rel=1e-4)
+  assert summary["power_cap_share"] == pytest.approx(2 / 3)
+  assert summary["samples"] == 3
+  assert gpu_power.summarize([], fields) == {"samples": 0}
