@@ -11,7 +11,6 @@ reasons (why the clock is held below its maximum) every 100 ms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -113,21 +112,11 @@ def main() -> None:
   parser.add_argument("--out-dir", default=common.RESULTS_DIR)
   args = parser.parse_args()
   fields = query_fields(args.nvidia_smi)
-  path = os.path.join(args.out_dir, "gpu_power_h200.json")
   os.makedirs(args.out_dir, exist_ok=True)
-  rows = []
-  for name in args.shapes.split(","):
-    for case in args.cases.split(","):
-      try:
-        row = {"shape": name, **measure_case(case, common.MODEL_SHAPES[name], common.NUM_TOKENS, args.routing,
-                                             args.seconds, args.nvidia_smi, fields)}
-      except Exception as error:  # noqa: BLE001 (one failing case must not stop the others)
-        row = {"shape": name, "case": case, "error": common.error_message(error)}
-      print(f"{name:12s} {case:16s} " + (row["error"] if "error" in row else report(row)), flush=True)
-      rows.append(row)
-      with open(path, "w") as f:  # after every case: a caller's time limit may stop the run before the last
-        json.dump({**common.metadata(), "rows": rows}, f, indent=1)
-  print(f"wrote {path}")
+  runs = [(name, args.routing, case) for name in args.shapes.split(",") for case in args.cases.split(",")]
+  profile = lambda case, name, routing: {"shape": name, **measure_case(  # noqa: E731
+      case, common.MODEL_SHAPES[name], common.NUM_TOKENS, routing, args.seconds, args.nvidia_smi, fields)}
+  gemm_counters.profile_all(runs, profile, report, os.path.join(args.out_dir, "gpu_power_h200.json"))
 
 
 if __name__ == "__main__":
