@@ -31,11 +31,15 @@ REASON_FIELDS = {"clocks_event_reasons.sw_power_cap": "power_cap_share",
 LAUNCHES_PER_BATCH = 8  # one batch stays queued while the host waits for the one before
 
 
+def smi_query(nvidia_smi: str, fields: list[str]) -> list[str]:
+  """The nvidia-smi command line that reads `fields` of GPU 0 once (csv, no header, no units)."""
+  return [nvidia_smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", "0"]
+
+
 def query_fields(nvidia_smi: str) -> list[str]:
   """The fields this nvidia-smi answers: all of them, or without the clock-event reasons (older drivers)."""
   for fields in (list(NUMERIC_FIELDS) + list(REASON_FIELDS), list(NUMERIC_FIELDS)):
-    probe = subprocess.run([nvidia_smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", "0"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(smi_query(nvidia_smi, fields), capture_output=True, text=True)
     if probe.returncode == 0:
       return fields
   raise RuntimeError(f"{nvidia_smi} answers none of {list(NUMERIC_FIELDS)}: {probe.stderr.strip()[-300:]}")
@@ -70,8 +74,7 @@ def measure_case(case, shape, num_tokens, routing, seconds, nvidia_smi, fields) 
   warm_until = time.perf_counter() + 1.0
   while time.perf_counter() < warm_until:
     jax.block_until_ready(fn(*args))
-  sampler = subprocess.Popen([nvidia_smi, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i",
-                              "0", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+  sampler = subprocess.Popen(smi_query(nvidia_smi, fields) + ["-lms", "100"], stdout=subprocess.PIPE, text=True)
   launches, queued = 0, None
   start = time.perf_counter()
   try:
@@ -114,8 +117,11 @@ def main() -> None:
   fields = query_fields(args.nvidia_smi)
   os.makedirs(args.out_dir, exist_ok=True)
   runs = [(name, args.routing, case) for name in args.shapes.split(",") for case in args.cases.split(",")]
-  profile = lambda case, name, routing: {"shape": name, **measure_case(  # noqa: E731
-      case, common.MODEL_SHAPES[name], common.NUM_TOKENS, routing, args.seconds, args.nvidia_smi, fields)}
+
+  def profile(case, name, routing):
+    return {"shape": name, **measure_case(case, common.MODEL_SHAPES[name], common.NUM_TOKENS, routing, args.seconds,
+                                          args.nvidia_smi, fields)}
+
   gemm_counters.profile_all(runs, profile, report, os.path.join(args.out_dir, "gpu_power_h200.json"))
 
 
