@@ -364,11 +364,14 @@ def test_gpu_permutes_match_numpy(rng, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_permutes_equal_cpu_twin(rng):
-  """The CUDA kernels and the CPU twin compute the same bits (same element math, fused multiply-adds in slot order)."""
-  ids = jnp.asarray(random_ids(rng, 2048, 4, 16, "skewed"))
+@pytest.mark.parametrize("top_k", [4, 10])
+def test_gpu_permutes_equal_cpu_twin(rng, top_k):
+  """The CUDA kernels and the CPU twin compute the same bits (same element math, fused multiply-adds in slot order),
+  with k above the combine's batch of slots loaded at once and a tenth of the slots dropped (id -1)."""
+  ids = random_ids(rng, 2048, top_k, 16, "skewed")
+  ids = jnp.asarray(np.where(rng.random(ids.shape) < 0.1, -1, ids).astype(np.int32))
   x = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.bfloat16)
-  weights = jnp.asarray(rng.random((2048, 4)), jnp.float32)
+  weights = jnp.asarray(rng.random((2048, top_k)), jnp.float32)
   num_rows = routing.num_schedule_rows(ids.size, 16, grouped_matmul.ROW_ALIGN)
   values = jnp.asarray(rng.standard_normal((num_rows, 1024)), jnp.bfloat16)
 

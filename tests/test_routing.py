@@ -255,10 +255,11 @@ def test_route_cuda_large(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [48, 1100])  # 1100: more experts than the scan's warps and lanes
 @pytest.mark.parametrize("load", ["uniform", "skewed", "one_expert", "with_gaps", "invalid"])
-def test_schedule_cuda_large(load):
+def test_schedule_cuda_large(load, num_experts):
   rng = np.random.default_rng()
-  tokens, top_k, num_experts = 8192 + 5, 8, 48
+  tokens, top_k = 8192 + 5, 8
   ids = _loads(rng, tokens, top_k, num_experts)[load].astype(np.int32)
   result = jax.jit(lambda i: jk.schedule(i, num_experts, align=128, backend="kittens"))(jnp.asarray(ids))
   counts, offsets, rows = _oracle_schedule(ids, num_experts, 128)

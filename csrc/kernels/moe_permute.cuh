@@ -126,29 +126,48 @@ struct CombineGlobals {
   int32_t tokens_per_cta;
 };
 
-// One thread computes N consecutive elements of y[t]: the slots in order j = 0..k-1, as combine_element does.
+constexpr int kCombineSlotBatch = 4;
+constexpr int kCombineCtasPerSm = 3;  // caps the registers (<= 85) so that 768 threads per SM keep their rows in flight
+
+// One thread computes N consecutive elements of y[t]: the slots in order j = 0..k-1, as combine_element does. Up to
+// kCombineSlotBatch slots' rows are loaded before any is summed, so each thread keeps that many loads in flight: the kernel
+// streams k rows per token and is bound by how many bytes are on their way from HBM.
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) combine_kernel(CombineGlobals<T> g) {
+__global__ void __launch_bounds__(kThreads, kCombineCtasPerSm) combine_kernel(CombineGlobals<T> g) {
   using P = Pack<T, N>;
-  int64_t vectors_per_row = g.hidden / N;
-  int64_t t0 = static_cast<int64_t>(blockIdx.x) * g.tokens_per_cta;
-  int64_t tokens = g.tokens - t0 < g.tokens_per_cta ? g.tokens - t0 : g.tokens_per_cta;
-  for (int64_t i = threadIdx.x; i < tokens * vectors_per_row; i += kThreads) {
-    int64_t t = t0 + i / vectors_per_row;
-    int64_t v = i % vectors_per_row;
+  // A CTA's (token, vector) items number about kItemsPerCta, so 32-bit local indices hold them.
+  const int vectors_per_row = static_cast<int>(g.hidden / N);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * g.tokens_per_cta;
+  const int tokens = static_cast<int>(g.tokens - t0 < g.tokens_per_cta ? g.tokens - t0 : g.tokens_per_cta);
+  for (int i = threadIdx.x; i < tokens * vectors_per_row; i += kThreads) {
+    const int64_t t = t0 + i / vectors_per_row;
+    const int v = i % vectors_per_row;
+    P add;
+    if (g.addend != nullptr) add = reinterpret_cast<const P*>(g.addend + t * g.hidden)[v];
     float acc[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
-    for (int32_t j = 0; j < g.top_k; ++j) {
-      int32_t r = g.rows[t * g.top_k + j];
-      if (!placed(r, g.num_rows)) continue;
-      float w = g.weights != nullptr ? g.weights[t * g.top_k + j] : 1.0f;
-      P value = reinterpret_cast<const P*>(g.values + r * g.hidden)[v];
+    for (int32_t j0 = 0; j0 < g.top_k; j0 += kCombineSlotBatch) {
+      P values[kCombineSlotBatch];
+      float weights[kCombineSlotBatch];
+      bool present[kCombineSlotBatch];
 #pragma unroll
-      for (int n = 0; n < N; ++n) acc[n] = accumulate(acc[n], w, to_float(value.v[n]));
+      for (int b = 0; b < kCombineSlotBatch; ++b) {
+        int32_t j = j0 + b;
+        int32_t r = j < g.top_k ? g.rows[t * g.top_k + j] : -1;
+        present[b] = placed(r, g.num_rows);
+        if (!present[b]) continue;
+        weights[b] = g.weights != nullptr ? g.weights[t * g.top_k + j] : 1.0f;
+        values[b] = reinterpret_cast<const P*>(g.values + r * g.hidden)[v];
+      }
+#pragma unroll
+      for (int b = 0; b < kCombineSlotBatch; ++b) {
+        if (!present[b]) continue;
+#pragma unroll
+        for (int n = 0; n < N; ++n) acc[n] = accumulate(acc[n], weights[b], to_float(values[b].v[n]));
+      }
     }
     if (g.addend != nullptr) {
-      P add = reinterpret_cast<const P*>(g.addend + t * g.hidden)[v];
 #pragma unroll
       for (int n = 0; n < N; ++n) acc[n] += to_float(add.v[n]);
     }
