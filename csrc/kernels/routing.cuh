@@ -31,8 +31,9 @@ cudaError_t launch_route(cudaStream_t stream, const Logit* logits, const float* 
 }
 
 // ---- schedule --------------------------------------------------------------------------------------------------
-// The (token, slot) entries are cut into chunks of kChunk. chunk_counts[c][e] first holds chunk c's count of
-// expert e, then (after the scan) the number of entries of expert e in chunks before c: the chunk's base row.
+// The (token, slot) entries are cut into chunks of kChunk. chunk_counts[e][c] first holds chunk c's count of
+// expert e, then (after the scan) the number of entries of expert e in chunks before c: the chunk's base row. Expert
+// e's counts lie side by side so that the scan reads them in coalesced loads.
 
 constexpr int kChunk = 256;
 
@@ -41,7 +42,7 @@ struct ScheduleGlobals {
   int64_t entries;
   int32_t num_experts;
   int32_t align;
-  int32_t* chunk_counts;       // [num_chunks, num_experts] scratch
+  int32_t* chunk_counts;       // [num_experts, num_chunks] scratch
   int32_t* tokens_per_expert;  // [num_experts]
   int32_t* expert_offsets;     // [num_experts + 1]
   int32_t* rows;               // [entries]
@@ -56,8 +57,9 @@ __global__ void count_chunks_kernel(ScheduleGlobals g) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x;
   if (i < g.entries && valid_expert(g.ids[i], g.num_experts)) atomicAdd(&histogram[g.ids[i]], 1);
   __syncthreads();
-  int32_t* out = g.chunk_counts + static_cast<int64_t>(blockIdx.x) * g.num_experts;
-  for (int e = threadIdx.x; e < g.num_experts; e += blockDim.x) out[e] = histogram[e];
+  for (int e = threadIdx.x; e < g.num_experts; e += blockDim.x) {
+    g.chunk_counts[static_cast<int64_t>(e) * gridDim.x + blockIdx.x] = histogram[e];
+  }
 }
 
 // The sum of `value` over the lanes below this one (the warp's exclusive prefix sum).
@@ -70,50 +72,47 @@ __device__ __forceinline__ int32_t warp_exclusive_sum(int32_t value, int lane) {
   return inclusive - value;
 }
 
-// In place over items[0], items[stride], ... items[(n - 1) * stride] of one warp's sequence: each item becomes the sum
-// of the items before it (items[i] = transform(items[i]) first); returns the total. The warp takes 32 * kBatch items
-// at a time, each lane kBatch consecutive ones loaded together, and joins the lanes with one shuffle scan: every load
-// of a round is in flight at once. (A walk by one thread per sequence, one dependent round trip per item, took 35 us
-// for the 320 chunks of a T = 8192, k = 10 schedule; a loop per lane over a contiguous run measured no faster.)
+// In place over items[0, n) of one warp: each item becomes the sum of the items before it (items[i] =
+// transform(items[i]) first); returns the total. A round loads 32 * kBatch items, kBatch coalesced loads per lane all
+// in flight at once, then scans them 32 at a time with shuffles. (For the 64 x 320 chunk counts of a T = 8192, k = 10
+// schedule, one thread walking each expert's chunks, a dependent round trip per chunk, took 35 us; lanes whose loads
+// lay a row of experts apart, 32 transactions per load on the one SM, took 32-42 us.)
 template <typename Transform>
-__device__ int32_t warp_exclusive_scan_in_place(int32_t* items, int64_t stride, int n, int lane, Transform transform) {
+__device__ int32_t warp_exclusive_scan_in_place(int32_t* items, int n, int lane, Transform transform) {
   constexpr int kBatch = 8;
   int32_t carry = 0;
   for (int base = 0; base < n; base += 32 * kBatch) {
-    const int first = base + lane * kBatch;
     int32_t values[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) values[b] = first + b < n ? transform(items[(first + b) * stride]) : 0;
-    int32_t lane_total = 0;
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) lane_total += values[b];
-    int32_t running = carry + warp_exclusive_sum(lane_total, lane);
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * 32 + lane;
+      values[b] = i < n ? transform(items[i]) : 0;
+    }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (first + b < n) items[(first + b) * stride] = running;
-      running += values[b];
+      const int i = base + b * 32 + lane;
+      const int32_t below = warp_exclusive_sum(values[b], lane);
+      if (i < n) items[i] = carry + below;
+      carry += __shfl_sync(0xffffffffu, below + values[b], 31);
     }
-    carry = __shfl_sync(0xffffffffu, running, 31);
   }
   return carry;
 }
 
-// One block. Each warp scans its experts' counts over the chunks (the chunks' base rows), then warp 0 takes the
-// aligned exclusive scan over experts.
 constexpr int kScanThreads = 1024;
 
 __global__ void __launch_bounds__(kScanThreads, 1) scan_kernel(ScheduleGlobals g, int num_chunks) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int e = warp; e < g.num_experts; e += warps) {
-    int32_t total = warp_exclusive_scan_in_place(g.chunk_counts + e, g.num_experts, num_chunks, lane,
-                                                 [](int32_t count) { return count; });
+    int32_t total = warp_exclusive_scan_in_place(g.chunk_counts + static_cast<int64_t>(e) * num_chunks, num_chunks,
+                                                 lane, [](int32_t count) { return count; });
     if (lane == 0) g.tokens_per_expert[e] = total;
   }
   __syncthreads();  // the block's global writes of tokens_per_expert are visible to warp 0 after this
   if (warp == 0) {
     for (int e = lane; e < g.num_experts; e += 32) g.expert_offsets[e] = g.tokens_per_expert[e];
     __syncwarp();
-    int32_t rows = warp_exclusive_scan_in_place(g.expert_offsets, 1, g.num_experts, lane,
+    int32_t rows = warp_exclusive_scan_in_place(g.expert_offsets, g.num_experts, lane,
                                                 [align = g.align](int32_t count) { return align_up(count, align); });
     if (lane == 0) g.expert_offsets[g.num_experts] = rows;
   }
@@ -134,7 +133,7 @@ __global__ void place_kernel(ScheduleGlobals g) {
   }
   int32_t rank = 0;
   for (int j = 0; j < static_cast<int>(threadIdx.x); ++j) rank += chunk_ids[j] == id;
-  g.rows[i] = g.expert_offsets[id] + g.chunk_counts[static_cast<int64_t>(blockIdx.x) * g.num_experts + id] + rank;
+  g.rows[i] = g.expert_offsets[id] + g.chunk_counts[static_cast<int64_t>(id) * gridDim.x + blockIdx.x] + rank;
 }
 
 inline int schedule_chunks(int64_t entries) { return static_cast<int>((entries + kChunk - 1) / kChunk); }
