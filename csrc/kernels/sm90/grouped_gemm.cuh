@@ -609,15 +609,17 @@ struct StagedStore {
 
 // A finished tile's staged bf16 chunks, packed in registers, wait there to be stored while the next tile's first k
 // steps run: the consumer stores one chunk after issuing each of those steps' wgmma, so the tensor cores do not idle
-// through the stores (stmatrix, the proxy fence, the TMA issue) at every tile's end, as they did when both
-// consumers stored there at once. Slot i holds chunk column_of(i) of output output_of(i): gmm and tgmm the tile's
-// four chunks; gmm_swiglu its two act chunks, then the saved gate's two (the saved up's are stored at once). The
-// dgrad epilogue (which loads the saved gate and up as well) and float32 outputs store at once: no slots.
+// through the stores (stmatrix, the proxy fence, the TMA issue) at every tile's end, as they do when both consumers
+// store there at once. Slot i holds the tile's chunk i.
+// That head of the k loop costs every k step: with it, ptxas builds the wgmma descriptors in vector registers and
+// moves them to uniform ones at each wgmma (16 R2UR and 8 moves more per k step, SASS). So only the GEMMs with short
+// k loops hold their chunks: gmm and tgmm (the down GEMM: 16-48 k steps a tile). The SwiGLU GEMMs (64-112 k steps)
+// store at once, as do the dgrad epilogue and float32 outputs. Measured under the power cap, one machine, main's
+// kernels before and after (`gpu_power.py`): without the slots the down GEMM took 4.0% (qwen3.5) and 2.1% (kimi-k2)
+// longer, the SwiGLU GEMMs 0.5-1.2% shorter.
 template <Mode kMode, typename OutT>
 struct PendingChunks {
-  static constexpr int kSlots = sizeof(OutT) == 2 && kMode != Mode::kSwigluDgrad ? 4 : 0;
-  static constexpr int output_of(int slot) { return kMode == Mode::kSwiglu ? slot / 2 : 0; }
-  static constexpr int column_of(int slot) { return kMode == Mode::kSwiglu ? slot % 2 : slot; }
+  static constexpr int kSlots = sizeof(OutT) == 2 && (kMode == Mode::kGmm || kMode == Mode::kTgmm) ? 4 : 0;
 
   ChunkPairs pairs[kSlots > 0 ? kSlots : 1];
   uint32_t live = 0;  // bit i: slot i waits to be stored
@@ -626,8 +628,7 @@ struct PendingChunks {
   // Slot `slot` (a constant after unrolling, so that pairs stays in registers) to its output, if it waits.
   __device__ __forceinline__ void store(int slot, const TensorMaps& maps, StagedStore& staged, int lane) {
     if (!((live >> slot) & 1)) return;
-    staged.store<kMode == Mode::kTgmm ? 3 : 2>(&maps.out[output_of(slot)], pairs[slot], lane,
-                                               x0 + 64 * column_of(slot), y, z);
+    staged.store<kMode == Mode::kTgmm ? 3 : 2>(&maps.out[0], pairs[slot], lane, x0 + 64 * slot, y, z);
     live &= ~(1u << slot);
   }
 
@@ -816,9 +817,9 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     } else if constexpr (kMode == Mode::kSwiglu) {
       emit(0, c, p.clamp.active() ? swiglu_chunk(acc, c, rows, p.clamp)
                                   : swiglu_chunk(acc, c, rows, SwigluClamp{0.0f}),
-           kDefer ? c : -1);
+           -1);
       if (p.out2 != nullptr) {
-        emit(1, c, pack_chunk(acc, c, rows), kDefer ? 2 + c : -1);
+        emit(1, c, pack_chunk(acc, c, rows), -1);
         emit(2, c, pack_chunk(acc, c + kUpOffset / 32, rows), -1);
       }
     } else {  // kSwigluDgrad
