@@ -614,9 +614,9 @@ struct StagedStore {
 // That head of the k loop costs every k step: with it, ptxas builds the wgmma descriptors in vector registers and
 // moves them to uniform ones at each wgmma (16 R2UR and 8 moves more per k step, SASS). So only the GEMMs with short
 // k loops hold their chunks: gmm and tgmm (the down GEMM: 16-48 k steps a tile). The SwiGLU GEMMs (64-112 k steps)
-// store at once, as do the dgrad epilogue and float32 outputs. Measured under the power cap, one machine, main's
-// kernels before and after (`gpu_power.py`): without the slots the down GEMM took 4.0% (qwen3.5) and 2.1% (kimi-k2)
-// longer, the SwiGLU GEMMs 0.5-1.2% shorter.
+// store at once, as do the dgrad epilogue and float32 outputs. Back to back at the power cap, with and without slots
+// on one machine start (`gpu_power_h200_slots_ab.json`): without them the down GEMM took 4.0% (qwen3.5) and 2.1%
+// (kimi-k2) longer, the SwiGLU GEMMs 0.5-1.2% less time.
 template <Mode kMode, typename OutT>
 struct PendingChunks {
   static constexpr int kSlots = sizeof(OutT) == 2 && (kMode == Mode::kGmm || kMode == Mode::kTgmm) ? 4 : 0;
