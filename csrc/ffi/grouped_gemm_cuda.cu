@@ -133,8 +133,7 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
   return ffi::Error::Success();
 }
 
-// A gathered lhs is copied per CTA, so it runs without clusters. The tile queue's counter comes from XLA's scratch
-// memory, zeroed on the stream.
+// The tile queue's counter comes from XLA's scratch memory, zeroed on the stream.
 template <sm90::Mode kMode, bool kBMnMajor, typename OutT, bool kGatherLhs = false>
 ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm90::TensorMaps& maps,
                   sm90::Params params, int64_t max_tiles, int64_t n_blocks) {
@@ -143,10 +142,10 @@ ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm9
   JK_FFI_CHECK(counter.has_value(), "grouped GEMM: scratch allocation of the tile counter failed");
   params.tile_counter = static_cast<int32_t*>(*counter);
   JK_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream));
-  if (kGatherLhs || n_blocks % 2 != 0) {
+  if (n_blocks % 2 != 0) {
     return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGatherLhs>(stream, maps, params, max_tiles);
   }
-  return launch_with_cluster<kMode, kBMnMajor, OutT, 2, false>(stream, maps, params, max_tiles);
+  return launch_with_cluster<kMode, kBMnMajor, OutT, 2, kGatherLhs>(stream, maps, params, max_tiles);
 }
 
 // Upper bound on gmm-type tiles (the device computes the exact count): every pseudo-group may add a partial tile.

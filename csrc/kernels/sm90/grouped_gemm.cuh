@@ -20,8 +20,9 @@
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
 //    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
-//  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): the whole
-//    producer warpgroup then copies the lhs lines with cp.async (see "Gathered lhs"), without clusters.
+//  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): producer warps
+//    then copy the lhs lines with cp.async, and in a cluster each CTA copies one half and forwards it to the peer by
+//    a bulk copy between the CTAs' shared memory (see "Gathered lhs").
 //  - Every mbarrier wait but the tile queue's and the tile ring's pops has a 20 s deadline (then __trap), so a broken
 //    pipeline fails the launch instead of hanging (the pops wait on a thread whose own waits have one).
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
@@ -66,7 +67,7 @@ constexpr int kTileSlots = 4;  // the tile queue's and the tile ring's slots: ti
 constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
 constexpr int kTileBytes = 32;  // a decoded Tile
 constexpr int kRingBytes = kTileSlots * kTileBytes + 2 * kTileSlots * 8;
-constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 2 * kStages * 8 +
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 3 * kStages * 8 +
                            kQueueBytes + kRingBytes;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
@@ -464,31 +465,51 @@ __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Gathered lhs (gmm_swiglu straight from the tokens): Hopper's TMA cannot follow a row map, so the producer
-// warpgroup's 128 threads copy a stage's 128 lhs lines (64 K values of one token each) with cp.async, 16 bytes per
-// copy, to where the 128-byte swizzle puts them: the layout a TMA box gives. Thread t copies chunk t % 8 of lines
-// t / 8 + 16 i, so one warp instruction moves four whole lines. The copies of each thread arrive on the stage's
-// full barrier when they land (noinc: the barrier's count includes the 128 threads); the rhs still comes by TMA
-// from thread 0, whose arrival carries the transaction bytes.
+// Gathered lhs (gmm_swiglu straight from the tokens): Hopper's TMA cannot follow a row map, so producer threads copy
+// the stage's lhs lines (64 K values of one token each) with cp.async, 16 bytes per copy, to where the 128-byte
+// swizzle puts them: the layout a TMA box gives. Each gathering thread copies chunk t % 8 of 8 lines, so one warp
+// instruction moves four whole lines; the rhs still comes by TMA from thread 0, whose arrival on the stage's full
+// barrier carries the transaction bytes.
+//  - Alone (kCluster = 1) the whole producer warpgroup copies the 128 lines, and each thread's copies arrive on the
+//    stage's full barrier when they land (noinc: the barrier's count includes the 128 threads).
+//  - In a cluster of two (the CTAs share the tile's rows, as with a TMA lhs) warps 0-1 copy this CTA's 64-line half
+//    and arrive on the stage's `landed` barrier. Warp 2 (the forwarder) waits for it and sends the half on to the same
+//    offset of the peer's stage by one shared::cluster bulk copy, whose bytes complete there on the peer's full
+//    barrier; then it arrives on its own full barrier for the half. So each CTA reads half the lhs bytes from L2 and
+//    issues half the copies, as the multicast halves of a TMA lhs do.
 
-constexpr int kGatherThreads = 128;
-constexpr int kGatherLinesPerThread = kBlockM * (kLineBytes / 16) / kGatherThreads;  // 8
-constexpr int kFullArrivalsGathered = 1 + kGatherThreads;
+template <int kCluster>
+struct Gather {
+  static constexpr int kLinesPerThread = 8;
+  static constexpr int kLines = kBlockM / kCluster;                                // this CTA's lines of a stage
+  static constexpr int kThreads = kLines * (kLineBytes / 16) / kLinesPerThread;    // 128 alone, 64 in a cluster
+  static constexpr int kForwarderWarp = kThreads / 32;                             // in a cluster
+  static constexpr int kFullArrivals = kCluster == 1 ? 1 + kThreads : 2;           // thread 0, the copies / forwarder
+  static constexpr uint32_t kFullBytes = kCluster == 1 ? kBBytes : kBBytes + kSubTileBytes;  // the peer's half
+  static_assert(kCluster == 1 || (kCluster == 2 && kLines * kLineBytes == kSubTileBytes), "a half is one sub-tile");
+};
 
 // Where each of the thread's lines of a tile starts in x, in 16-byte chunks (32 bits: the producer has 40
 // registers), and which lines read as zeros: rows without data and tokens out of range.
 struct GatherLines {
-  uint32_t first_chunk[kGatherLinesPerThread];
+  uint32_t first_chunk[8];
   uint32_t zero_mask;  // bit i: line i is zeros
 };
 
-__device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile& tile, int thread) {
+// Line i of gathering thread `thread` in CTA `rank`: its half's line thread / 8 + i * (threads / 8).
+template <int kCluster>
+__device__ __forceinline__ int gather_line(uint32_t rank, int thread, int i) {
+  return static_cast<int>(rank) * Gather<kCluster>::kLines + thread / 8 + (Gather<kCluster>::kThreads / 8) * i;
+}
+
+template <int kCluster>
+__device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile& tile, uint32_t rank, int thread) {
   GatherLines lines;
   lines.zero_mask = 0;
   const uint32_t row_chunks = static_cast<uint32_t>(p.k_steps1) * (kBlockK / 8);
 #pragma unroll
-  for (int i = 0; i < kGatherLinesPerThread; ++i) {
-    const int line = thread / 8 + 16 * i;
+  for (int i = 0; i < Gather<kCluster>::kLinesPerThread; ++i) {
+    const int line = gather_line<kCluster>(rank, thread, i);
     const int32_t token = line < tile.valid ? p.row_tokens[tile.row0 + line] : -1;
     const bool zeros = token < 0 || token >= p.num_tokens;
     lines.first_chunk[i] = zeros ? 0u : static_cast<uint32_t>(token) * row_chunks;
@@ -497,24 +518,45 @@ __device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile&
   return lines;
 }
 
-__device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& lines, int32_t ks, int thread,
-                                           uint8_t* a_smem, uint64_t* full) {
+// The thread's copies of k step ks, arriving on `landed` (the stage's full barrier when alone) as they land.
+template <int kCluster>
+__device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& lines, int32_t ks, uint32_t rank,
+                                           int thread, uint8_t* a_smem, uint64_t* landed) {
   const int chunk = thread % 8;
   // The k step's chunk of token 0; a line's source is first_chunk 16-byte units further, one wide multiply-add
   // (written in PTX: left to itself the compiler re-associates the sum into four instructions per line).
   const uint64_t k_chunk = reinterpret_cast<uint64_t>(p.tokens) + 16 * static_cast<uint64_t>(ks * (kBlockK / 8) + chunk);
   const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
 #pragma unroll
-  for (int i = 0; i < kGatherLinesPerThread; ++i) {
-    const int line = thread / 8 + 16 * i;
+  for (int i = 0; i < Gather<kCluster>::kLinesPerThread; ++i) {
+    const int line = gather_line<kCluster>(rank, thread, i);
     const uint32_t dst = a_addr + line * kLineBytes + ((chunk ^ (line & 7)) << 4);
     const uint32_t src_bytes = (lines.zero_mask >> i) & 1 ? 0 : 16;  // a source size of 0 fills with zeros
     uint64_t src;
     asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(src) : "r"(lines.first_chunk[i]), "l"(k_chunk));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
   }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(full))
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(landed))
                : "memory");
+}
+
+// Cluster only, the forwarder warp (lane 0 issues): this CTA's landed half of stage `stage` on to the peer's stage,
+// then its own full barrier's arrival for the half. peer_stage0 and peer_full0 are the peer's stage 0 and its full
+// barrier, as shared::cluster addresses.
+__device__ __forceinline__ void forward_lhs_half(uint8_t* smem, uint64_t* full, uint64_t* landed, uint32_t stage,
+                                                 uint32_t parity, uint32_t rank, uint32_t peer_stage0,
+                                                 uint32_t peer_full0, int lane) {
+  wait_barrier(&landed[stage], parity);
+  if (lane != 0) return;
+  // cp.async wrote through the generic proxy; the bulk copy reads through the async proxy.
+  cutlass::arch::fence_view_async_shared();
+  const uint32_t half_offset = stage * kStageBytes + rank * kSubTileBytes;
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          peer_stage0 + half_offset),
+      "r"(cute::cast_smem_ptr_to_uint(smem) + half_offset), "n"(kSubTileBytes), "r"(peer_full0 + 8 * stage)
+      : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cute::cast_smem_ptr_to_uint(&full[stage])) : "memory");
 }
 
 // Two floats -> bf16x2 (lo in the low half), round to nearest even, in one instruction.
@@ -877,11 +919,12 @@ struct StageRelease {
   }
 };
 
-// thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered lhs, 0..127 (thread 0 also
-// issues the rhs loads).
+// thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered lhs, 0..127 (see "Gathered
+// lhs" for the warps' parts; thread 0 also issues the rhs loads, and every warp pops the tile queue).
 template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
-                                         uint64_t* empty, TileQueue<kCluster>& queue, TileRing& ring, int thread) {
+                                         uint64_t* empty, uint64_t* landed, TileQueue<kCluster>& queue, TileRing& ring,
+                                         int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   if (thread == 0) {
     if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
@@ -891,6 +934,10 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   }
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   const bool fetcher = thread == 0 && rank == 0;
+  const bool gatherer = kGatherLhs && thread < Gather<kCluster>::kThreads;
+  const bool forwarder = kGatherLhs && kCluster > 1 && thread / 32 == Gather<kCluster>::kForwarderWarp;
+  const uint32_t peer_stage0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(smem), rank ^ 1) : 0;
+  const uint32_t peer_full0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(full), rank ^ 1) : 0;
   const int32_t clusters = gridDim.x / kCluster;
   int32_t pair = blockIdx.x / kCluster;
   Scheduler<kMode, kBlockN> scheduler(p);
@@ -904,20 +951,27 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
     // stage ring holds kStages steps of work over the atomic's latency.
     if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
     const int32_t steps = tile.k_steps;
-    if (steps == 0) continue;
+    if (steps == 0 || (kGatherLhs && !gatherer && !forwarder)) continue;
+    if (forwarder) {
+      for (int32_t ks = 0; ks < steps; ++ks, ++it)
+        forward_lhs_half(smem, full, landed, it % kStages, (it / kStages) & 1, rank, peer_stage0, peer_full0,
+                         thread % 32);
+      continue;
+    }
     GatherLines lines;
-    if constexpr (kGatherLhs) lines = gather_lines(p, tile, thread);
+    if constexpr (kGatherLhs) lines = gather_lines<kCluster>(p, tile, rank, thread);
     for (int32_t ks = 0; ks < steps; ++ks, ++it) {
       const uint32_t stage = it % kStages;
       wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
       if (thread == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage],
-                                                                       kGatherLhs ? kBBytes : kStageBytes);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+            &full[stage], kGatherLhs ? Gather<kCluster>::kFullBytes : kStageBytes);
         if constexpr (!kGatherLhs) load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
         load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
       }
-      if constexpr (kGatherLhs) gather_lhs(p, lines, ks, thread, a_smem, &full[stage]);
+      if constexpr (kGatherLhs)
+        gather_lhs<kCluster>(p, lines, ks, rank, thread, a_smem, kCluster == 1 ? &full[stage] : &landed[stage]);
     }
   }
   // Copies still in flight would arrive on the barriers of a CTA this thread no longer belongs to.
@@ -1024,20 +1078,21 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
 
 template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ TensorMaps maps, Params p) {
-  static_assert(!kGatherLhs || (kMode == Mode::kSwiglu && kCluster == 1),
-                "a gathered lhs is per CTA (no multicast) and only gmm_swiglu takes one");
+  static_assert(!kGatherLhs || kMode == Mode::kSwiglu, "only gmm_swiglu takes a gathered lhs");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* staging = smem + kStages * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
-  TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(empty + kStages)};
+  uint64_t* landed = empty + kStages;  // a gathered lhs in a cluster: this CTA's half has landed
+  TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(landed + kStages)};
   TileRing ring{queue.base + kQueueBytes};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? kFullArrivalsGathered : 1);
+      cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? Gather<kCluster>::kFullArrivals : 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
+      cutlass::arch::ClusterBarrier::init(&landed[s], Gather<kCluster>::kThreads);
     }
     queue.init(kGatherLhs);
     ring.init();
@@ -1053,7 +1108,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (kGatherLhs || threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster, kGatherLhs>(maps, p, smem, full, empty,
-                                                                                          queue, ring, threadIdx.x);
+                                                                                          landed, queue, ring,
+                                                                                          threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, ring);
