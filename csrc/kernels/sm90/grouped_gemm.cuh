@@ -223,7 +223,7 @@ struct TileQueue {
   uint32_t base;
   uint32_t index = 0;
 
-  // The count of the empty barriers: per CTA, the producer's reader warps (4 copy the gathered lhs, else thread 0).
+  // The count of the empty barriers: per CTA, the producer's reader warps (with a gathered lhs all 4, else thread 0).
   static constexpr int readers(bool gathered_lhs) { return kCluster * (gathered_lhs ? 4 : 1); }
 
   __device__ uint32_t full(uint32_t slot) const { return base + 8 * slot; }
@@ -478,11 +478,12 @@ __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p
 //    barrier; then it arrives on its own full barrier for the half. So each CTA reads half the lhs bytes from L2 and
 //    issues half the copies, as the multicast halves of a TMA lhs do.
 
+constexpr int kGatherLinesPerThread = 8;
+
 template <int kCluster>
 struct Gather {
-  static constexpr int kLinesPerThread = 8;
-  static constexpr int kLines = kBlockM / kCluster;                                // this CTA's lines of a stage
-  static constexpr int kThreads = kLines * (kLineBytes / 16) / kLinesPerThread;    // 128 alone, 64 in a cluster
+  static constexpr int kLines = kBlockM / kCluster;                                    // this CTA's lines of a stage
+  static constexpr int kThreads = kLines * (kLineBytes / 16) / kGatherLinesPerThread;  // 128 alone, 64 in a cluster
   static constexpr int kForwarderWarp = kThreads / 32;                             // in a cluster
   static constexpr int kFullArrivals = kCluster == 1 ? 1 + kThreads : 2;           // thread 0, the copies / forwarder
   static constexpr uint32_t kFullBytes = kCluster == 1 ? kBBytes : kBBytes + kSubTileBytes;  // the peer's half
@@ -492,7 +493,7 @@ struct Gather {
 // Where each of the thread's lines of a tile starts in x, in 16-byte chunks (32 bits: the producer has 40
 // registers), and which lines read as zeros: rows without data and tokens out of range.
 struct GatherLines {
-  uint32_t first_chunk[8];
+  uint32_t first_chunk[kGatherLinesPerThread];
   uint32_t zero_mask;  // bit i: line i is zeros
 };
 
@@ -508,7 +509,7 @@ __device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile&
   lines.zero_mask = 0;
   const uint32_t row_chunks = static_cast<uint32_t>(p.k_steps1) * (kBlockK / 8);
 #pragma unroll
-  for (int i = 0; i < Gather<kCluster>::kLinesPerThread; ++i) {
+  for (int i = 0; i < kGatherLinesPerThread; ++i) {
     const int line = gather_line<kCluster>(rank, thread, i);
     const int32_t token = line < tile.valid ? p.row_tokens[tile.row0 + line] : -1;
     const bool zeros = token < 0 || token >= p.num_tokens;
@@ -528,7 +529,7 @@ __device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& l
   const uint64_t k_chunk = reinterpret_cast<uint64_t>(p.tokens) + 16 * static_cast<uint64_t>(ks * (kBlockK / 8) + chunk);
   const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
 #pragma unroll
-  for (int i = 0; i < Gather<kCluster>::kLinesPerThread; ++i) {
+  for (int i = 0; i < kGatherLinesPerThread; ++i) {
     const int line = gather_line<kCluster>(rank, thread, i);
     const uint32_t dst = a_addr + line * kLineBytes + ((chunk ^ (line & 7)) << 4);
     const uint32_t src_bytes = (lines.zero_mask >> i) & 1 ? 0 : 16;  // a source size of 0 fills with zeros
