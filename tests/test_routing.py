@@ -58,11 +58,11 @@ def _assert_same_choice(ids, oracle_ids, oracle_keys, alternative_keys, seed, ga
   experts, or of groups: then the pick under the other group choice counts too)."""
   ids = np.asarray(ids)
 
-  def off(keys):
-    picks = np.argsort(-keys, axis=-1, kind="stable")[:, : ids.shape[1]]
+  def off(keys, picks):
     return (np.abs(np.take_along_axis(keys, ids, -1) - np.take_along_axis(keys, picks, -1)) >= gap).any(-1)
 
-  wrong = off(oracle_keys) & off(alternative_keys)
+  alternative_ids = np.argsort(-alternative_keys, axis=-1, kind="stable")[:, : ids.shape[1]]
+  wrong = off(oracle_keys, np.asarray(oracle_ids)) & off(alternative_keys, alternative_ids)
   assert not wrong.any(), f"seed {seed}: {wrong.sum()} tokens chose other experts than the oracle"
   assert np.mean(np.any(ids != np.asarray(oracle_ids), axis=-1)) < 1e-3, f"seed {seed}"
 
