@@ -47,6 +47,7 @@ CASES = {
     "swiglu_rows": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * 2 * i),
     "down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
     "dense_down": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * i * h),
+    "wgrad_down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
 }
 WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
@@ -73,6 +74,10 @@ def case_call(case, shape, num_tokens, routing):
   if case == "down":
     act = (jax.random.normal(jax.random.key(1), (num_rows, shape.intermediate), jnp.float32)).astype(jnp.bfloat16)
     return jax.jit(grouped_matmul.gmm), (act, w_down, *groups)
+  if case == "wgrad_down":  # the backward's dW_down = act^T dy, contracting the ragged rows
+    act = (jax.random.normal(jax.random.key(1), (num_rows, shape.intermediate), jnp.float32)).astype(jnp.bfloat16)
+    dy = (jax.random.normal(jax.random.key(2), (num_rows, shape.hidden), jnp.float32)).astype(jnp.bfloat16)
+    return jax.jit(grouped_matmul.tgmm), (act, dy, *groups)
   dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
   if case == "dense_gate":
     return dense, (inputs["dense_rows"], w_gate)

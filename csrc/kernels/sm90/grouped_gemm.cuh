@@ -654,23 +654,26 @@ struct StagedStore {
 // steps run: the consumer stores one chunk after issuing each of those steps' wgmma, so the tensor cores do not idle
 // through the stores (stmatrix, the proxy fence, the TMA issue) at every tile's end, as they do when both consumers
 // store there at once. Slot i holds the tile's chunk i.
-// That head of the k loop costs every k step: with it, ptxas builds the wgmma descriptors in vector registers and
-// moves them to uniform ones at each wgmma (16 R2UR and 8 moves more per k step, SASS). So only the GEMMs with short
-// k loops hold their chunks: gmm and tgmm (the down GEMM: 16-48 k steps a tile). The SwiGLU GEMMs (64-112 k steps)
-// store at once, as do the dgrad epilogue and float32 outputs. Back to back at the power cap, with and without slots
-// on one machine start (`gpu_power_h200_slots_ab.json`): without them the down GEMM took 4.0% (qwen3.5) and 2.1%
-// (kimi-k2) longer, the SwiGLU GEMMs 0.5-1.2% less time.
+// The stores sit in the k loop behind warp votes. Written as a peeled head of the loop, or behind a per-lane test of
+// a slot, they made ptxas build every k step's wgmma descriptors in vector registers and move them to uniform ones
+// at each wgmma (16 R2UR and 8 moves more per k step, SASS). With that cost, only the GEMMs with short k loops paid
+// for holding chunks: back to back at the power cap (`gpu_power_h200_slots_ab.json`), without slots the down GEMM
+// took 4.0% (qwen3.5) and 2.1% (kimi-k2) longer, the SwiGLU GEMMs (64-112 k steps) 0.5-1.2% less time. With a
+// uniform loop the SwiGLU GEMM holds its activation chunks too; the dgrad epilogue and float32 outputs store at once.
 template <Mode kMode, typename OutT>
 struct PendingChunks {
-  static constexpr int kSlots = sizeof(OutT) == 2 && (kMode == Mode::kGmm || kMode == Mode::kTgmm) ? 4 : 0;
+  // gmm and tgmm: all 4 chunks of a 256-column tile; SwiGLU: the 2 activation chunks (saved gate and up go at once).
+  static constexpr int kSlots =
+      sizeof(OutT) != 2 || kMode == Mode::kSwigluDgrad ? 0 : (kMode == Mode::kSwiglu ? kSwigluTileCols / 64 : 4);
 
   ChunkPairs pairs[kSlots > 0 ? kSlots : 1];
   uint32_t live = 0;  // bit i: slot i waits to be stored
   int32_t x0, y, z;   // the TMA coordinates of the warp's rows of the tile's chunk 0 (column, row, group)
 
-  // Slot `slot` (a constant after unrolling, so that pairs stays in registers) to its output, if it waits.
+  // Slot `slot` (a constant after unrolling, so that pairs stays in registers) to its output, if it waits. live is
+  // the same on every lane (a warp's rows are staged or not together); the test is a vote so that ptxas knows it.
   __device__ __forceinline__ void store(int slot, const TensorMaps& maps, StagedStore& staged, int lane) {
-    if (!((live >> slot) & 1)) return;
+    if (!__any_sync(0xFFFFFFFF, (live >> slot) & 1)) return;
     staged.store<kMode == Mode::kTgmm ? 3 : 2>(&maps.out[0], pairs[slot], lane, x0 + 64 * slot, y, z);
     live &= ~(1u << slot);
   }
@@ -860,7 +863,7 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
     } else if constexpr (kMode == Mode::kSwiglu) {
       emit(0, c, p.clamp.active() ? swiglu_chunk(acc, c, rows, p.clamp)
                                   : swiglu_chunk(acc, c, rows, SwigluClamp{0.0f}),
-           -1);
+           kDefer ? c : -1);
       if (p.out2 != nullptr) {
         emit(1, c, pack_chunk(acc, c, rows), -1);
         emit(2, c, pack_chunk(acc, c + kUpOffset / 32, rows), -1);
@@ -1037,22 +1040,21 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
       if (ks > 0 && lane == 0) release((it - 1) % kStages);
     };
     if (__any_sync(0xFFFFFFFF, Schedule::consumer_has_rows(p, tile, consumer))) {
-      int32_t ks = 0;
+      // The previous tile's pending chunks, one behind each of the first k steps' wgmma; a tile too short for that
+      // stores them first. One k loop with the stores inside, behind votes: a peeled head of the loop made ptxas
+      // build every k step's descriptors in vector registers.
       if constexpr (kSlots > 0) {
-        // The previous tile's pending chunks, one behind each of the first k steps (unrolled: the slots are
-        // registers); a tile too short for that stores them first.
-        if (steps >= kSlots) {
+        if (steps < kSlots) pending.flush(maps, staged, lane);
+      }
+      for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+        issue(ks);
+        if constexpr (kSlots > 0) {
+          if (__any_sync(0xFFFFFFFF, ks < kSlots)) {
 #pragma unroll
-          for (int slot = 0; slot < kSlots; ++slot, ++ks, ++it) {
-            issue(slot);
-            pending.store(slot, maps, staged, lane);
-            retire(slot);
+            for (int slot = 0; slot < kSlots; ++slot)
+              if (__any_sync(0xFFFFFFFF, ks == slot)) pending.store(slot, maps, staged, lane);
           }
         }
-        pending.flush(maps, staged, lane);
-      }
-      for (; ks < steps; ++ks, ++it) {
-        issue(ks);
         retire(ks);
       }
       cute::warpgroup_wait<0>();
