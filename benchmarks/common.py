@@ -356,8 +356,12 @@ def dense_beside_every_routing(rows: list[dict]) -> list[dict]:
 
 
 def add_ratio(rows: list[dict], baseline: str, key_fields: Sequence[str]):
-  """Adds ``vs_<baseline>`` = tflops / tflops of the ``baseline`` row with the same ``key_fields``."""
-  key = lambda row: tuple(row.get(f) for f in key_fields)
+  """Adds ``vs_<baseline>`` = tflops / tflops of the ``baseline`` row with the same ``key_fields``.
+
+  A dense row (routing "equal") is compared with the baseline's uniform row: what the cuBLAS ceiling itself reaches
+  against that baseline, in the same run.
+  """
+  key = lambda row: tuple("uniform" if f == "routing" and row[f] == "equal" else row.get(f) for f in key_fields)
   base = {key(r): r["tflops"] for r in rows if r["backend"] == baseline and "tflops" in r}
   for row in rows:
     if row["backend"] != baseline and "tflops" in row and key(row) in base:

@@ -66,24 +66,25 @@ def case_call(case, shape, num_tokens, routing):
   sched = jax_kittens.schedule(ids, num_local_experts, align=grouped_matmul.ROW_ALIGN)
   num_rows = jax_kittens.num_schedule_rows(ids.size, num_local_experts, grouped_matmul.ROW_ALIGN)
   groups = (sched.expert_offsets, sched.tokens_per_expert)
+
+  def random_bf16(seed, dims):
+    return jax.random.normal(jax.random.key(seed), dims, jnp.float32).astype(jnp.bfloat16)
+
   if case == "swiglu_rows":
     return jax.jit(grouped_matmul.gmm_swiglu), (permute.gather_rows(x, sched, num_rows), w_gate, w_up, *groups)
   if case == "swiglu_gathered":
     fn = lambda x, row_tokens, *rest: grouped_matmul.gmm_swiglu(x, *rest, row_tokens=row_tokens)  # noqa: E731
     return jax.jit(fn), (x, permute.row_tokens(sched.rows, num_rows), w_gate, w_up, *groups)
   if case == "down":
-    act = (jax.random.normal(jax.random.key(1), (num_rows, shape.intermediate), jnp.float32)).astype(jnp.bfloat16)
-    return jax.jit(grouped_matmul.gmm), (act, w_down, *groups)
+    return jax.jit(grouped_matmul.gmm), (random_bf16(1, (num_rows, shape.intermediate)), w_down, *groups)
   if case == "wgrad_down":  # the backward's dW_down = act^T dy, contracting the ragged rows
-    act = (jax.random.normal(jax.random.key(1), (num_rows, shape.intermediate), jnp.float32)).astype(jnp.bfloat16)
-    dy = (jax.random.normal(jax.random.key(2), (num_rows, shape.hidden), jnp.float32)).astype(jnp.bfloat16)
+    act, dy = random_bf16(1, (num_rows, shape.intermediate)), random_bf16(2, (num_rows, shape.hidden))
     return jax.jit(grouped_matmul.tgmm), (act, dy, *groups)
   dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
   if case == "dense_gate":
     return dense, (inputs["dense_rows"], w_gate)
   if case == "dense_down":
-    act = jax.random.normal(jax.random.key(1), inputs["dense_rows"].shape[:2] + (shape.intermediate,), jnp.float32)
-    return dense, (act.astype(jnp.bfloat16), w_down)
+    return dense, (random_bf16(1, inputs["dense_rows"].shape[:2] + (shape.intermediate,)), w_down)
   raise ValueError(f"unknown case {case!r}; choose from {sorted(CASES)}")
 
 

@@ -79,6 +79,21 @@ def test_time_interleaved_budget_bounds_slow_functions():
   assert slow_result["median_ms"] >= 45
 
 
+def test_add_ratio_matches_routing_and_gives_dense_its_ceiling():
+  common = _bench_common()
+  rows = [{"backend": "dense", "shape": "a", "mode": "fwd", "routing": "equal", "tflops": 600.0},
+          {"backend": "tokamax", "shape": "a", "mode": "fwd", "routing": "uniform", "tflops": 250.0},
+          {"backend": "tokamax", "shape": "a", "mode": "fwd", "routing": "skewed", "tflops": 200.0},
+          {"backend": "kittens", "shape": "a", "mode": "fwd", "routing": "skewed", "tflops": 550.0},
+          {"backend": "kittens", "shape": "a", "mode": "fwd_bwd", "routing": "uniform", "tflops": 500.0}]
+  common.add_ratio(rows, "dense", ("shape", "mode"))
+  common.add_ratio(rows, "tokamax", ("shape", "mode", "routing"))
+  dense, _, _, skewed, no_baseline = rows
+  assert dense["vs_tokamax"] == 2.4 and "vs_dense" not in dense  # against tokamax's uniform row
+  assert skewed["vs_tokamax"] == 2.75 and skewed["vs_dense"] == round(550 / 600, 3)
+  assert "vs_tokamax" not in no_baseline and "vs_dense" not in no_baseline
+
+
 def test_benchmark_tables_smoke(tmp_path):
   """ragged_dot.py and layer.py end to end on the tiny shapes: every backend that exists here gets a timing."""
   for script, name in (("ragged_dot.py", "ragged_dot_smoke"), ("layer.py", "layer_smoke")):
