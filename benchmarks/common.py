@@ -361,7 +361,7 @@ def add_ratio(rows: list[dict], baseline: str, key_fields: Sequence[str]):
   A dense row (routing "equal") is compared with the baseline's uniform row: what the cuBLAS ceiling itself reaches
   against that baseline, in the same run.
   """
-  key = lambda row: tuple("uniform" if f == "routing" and row[f] == "equal" else row.get(f) for f in key_fields)
+  key = lambda row: tuple("uniform" if f == "routing" and row.get(f) == "equal" else row.get(f) for f in key_fields)
   base = {key(r): r["tflops"] for r in rows if r["backend"] == baseline and "tflops" in r}
   for row in rows:
     if row["backend"] != baseline and "tflops" in row and key(row) in base:
