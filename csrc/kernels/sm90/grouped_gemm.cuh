@@ -1087,7 +1087,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint8_t* staging = smem + kStages * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
-  uint64_t* landed = empty + kStages;  // a gathered lhs in a cluster: this CTA's half has landed
+  uint64_t* landed = empty + kStages;  // only a gathered lhs in a cluster waits here: this CTA's half has landed
   TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(landed + kStages)};
   TileRing ring{queue.base + kQueueBytes};
 
@@ -1095,7 +1095,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? Gather<kCluster>::kFullArrivals : 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
-      cutlass::arch::ClusterBarrier::init(&landed[s], Gather<kCluster>::kThreads);
+      if constexpr (kGatherLhs && kCluster > 1) {
+        cutlass::arch::ClusterBarrier::init(&landed[s], Gather<kCluster>::kThreads);
+      }
     }
     queue.init(kGatherLhs);
     ring.init();
