@@ -11,6 +11,9 @@ preallocated so that its replays save and restore little:
   swiglu_rows       gmm_swiglu over rows gathered beforehand (TMA loads)    x_rows [R, H] x [G, H, 2I]
   down              gmm                                                     act [R, I] x w_down [G, I, H]
   dense_down        cuBLAS, the dense chain's down GEMM                     [G, R/G, I] x [G, I, H]
+  wgrad_down        tgmm, the backward's dW_down                            act [R, I]^T x dy [R, H]
+  combine           the forward's weighted sum of rows back to the tokens   rows [R, H] -> y [T, H]
+                    (memory-bound: its FLOPs are the sum's multiply-adds; read its time and power)
 
   python3 benchmarks/gemm_counters.py --shapes kimi-k2,qwen3.5   # on the H200 (ncu on PATH): gemm_counters_h200.json
   python3 benchmarks/gemm_counters.py --shapes kimi-k2 --routings uniform,skewed --cases down,dense_down
@@ -48,6 +51,7 @@ CASES = {
     "down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
     "dense_down": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * i * h),
     "wgrad_down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
+    "combine": ("regex:combine_kernel", lambda rows, h, i: 2 * rows * h),
 }
 WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
@@ -80,6 +84,9 @@ def case_call(case, shape, num_tokens, routing):
   if case == "wgrad_down":  # the backward's dW_down = act^T dy, contracting the ragged rows
     act, dy = random_bf16(1, (num_rows, shape.intermediate)), random_bf16(2, (num_rows, shape.hidden))
     return jax.jit(grouped_matmul.tgmm), (act, dy, *groups)
+  if case == "combine":
+    weights = inputs["routings"][routing][0].astype(jnp.float32)
+    return jax.jit(permute.combine), (random_bf16(1, (num_rows, shape.hidden)), sched.rows, weights)
   dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
   if case == "dense_gate":
     return dense, (inputs["dense_rows"], w_gate)
