@@ -1,9 +1,11 @@
-"""Where one MoE layer call's device time goes: `moe_ffn(backend="kittens")` (uniform and skewed routing) and the
-dense chain, forward and forward+backward, on `layer.py`'s inputs (each model shape's single-GPU slice), under
-``jax.profiler``: device time per call, summed per kernel and per XLA op (`common.traced_device_time`).
+"""Where one MoE layer call's device time goes: `moe_ffn(backend="kittens")` and the reference with
+`tokamax.ragged_dot` (uniform and skewed routing) and the dense chain, forward and forward+backward, on `layer.py`'s
+inputs (each model shape's single-GPU slice), under ``jax.profiler``: device time per call, summed per kernel and per
+XLA op (`common.traced_device_time`).
 
 Tells the grouped GEMMs from the gather, combine and schedule, and each from its dense counterpart, which
-`layer.py`'s wall-clock ratios cannot. Per routing it also times the gate/up GEMM alone both ways the kittens
+`layer.py`'s wall-clock ratios cannot; its busy times also give the ratios without the host's share of each call
+(dispatch and synchronisation), which `layer.py`'s per-call wall times include for every backend. Per routing it also times the gate/up GEMM alone both ways the kittens
 kernels can feed it: rows gathered by the gather kernel and loaded by TMA ("gate_up:rows"), or read straight from
 the tokens through the row -> token map ("gate_up:gathered", what `moe_ffn` does), in the same process.
 
@@ -28,7 +30,7 @@ import common  # noqa: E402
 import layer  # noqa: E402
 
 import jax_kittens  # noqa: E402
-from jax_kittens import grouped_matmul, moe, permute  # noqa: E402
+from jax_kittens import grouped_matmul, moe, permute, reference  # noqa: E402
 
 
 def gate_up_alone(shape, gathered):
@@ -49,13 +51,18 @@ def gate_up_alone(shape, gathered):
 
 
 def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
-  """Rows of one model shape: kittens per routing and the dense chain, per mode; the gate/up GEMM both ways."""
+  """Rows of one model shape: kittens and tokamax per routing and the dense chain, per mode; the gate/up GEMM both
+  ways. tokamax's rows say why it is missing where it cannot be imported."""
   inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
   x = inputs["xs"][0]
   kittens = functools.partial(moe.moe_ffn, backend="kittens")
   # (backend, routing, fn, modes, differentiable, args, d_y)
   cases = [("kittens", routing, kittens, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
             (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
+  tokamax_ragged_dot, tokamax_unavailable = common.tokamax_ragged_dot()
+  tokamax = functools.partial(reference.moe_ffn, ragged_dot=tokamax_ragged_dot) if tokamax_ragged_dot else None
+  cases += [("tokamax", routing, tokamax, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
+             (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
   cases.append(("dense", "equal", layer.dense_layer, layer.MODES, layer.DENSE_DIFFERENTIABLE,
                 (inputs["dense_rows"], *inputs["experts"]), inputs["dense_d_y"]))
   cases += [(f"gate_up:{way}", routing, gate_up_alone(shape, way == "gathered"), ("fwd",), None,
@@ -65,6 +72,11 @@ def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
   for backend, routing, fn, modes, differentiable, args, d_y in cases:
     for mode in modes:
       row = {"shape": name, "mode": mode, "backend": backend, "routing": routing}
+      if fn is None:
+        row["error"] = tokamax_unavailable
+        print(f"{name} {mode} {backend} {routing}: {tokamax_unavailable}", flush=True)
+        rows.append(row)
+        continue
       try:
         compiled = jax.jit(fn if mode == "fwd" else layer.forward_backward(fn, differentiable))
         call_args = args if mode == "fwd" else (*args, d_y)

@@ -1,5 +1,6 @@
 """benchmarks/: the profiling scripts run end to end on tiny shapes (any platform) and account for the device time."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,13 +17,18 @@ def test_layer_profile_smoke(tmp_path):
                  capture_output=True, text=True)
   result = json.loads((tmp_path / "layer_profile_smoke.json").read_text())
   rows = result["rows"]
-  # kittens per routing and the dense chain, forward and forward+backward; the gate/up GEMM alone both ways.
-  layer_rows = {(backend, routing, mode) for backend, routing in (("kittens", "uniform"), ("kittens", "skewed"),
-                                                                  ("dense", "equal")) for mode in ("fwd", "fwd_bwd")}
+  # kittens and tokamax per routing and the dense chain, forward and forward+backward; the gate/up GEMM alone both
+  # ways.
+  layer_rows = {(backend, routing, mode) for backend in ("kittens", "tokamax") for routing in ("uniform", "skewed")
+                for mode in ("fwd", "fwd_bwd")} | {("dense", "equal", mode) for mode in ("fwd", "fwd_bwd")}
   gate_up_rows = {(f"gate_up:{way}", routing, "fwd") for way in ("rows", "gathered")
                   for routing in ("uniform", "skewed")}
   assert {(r["backend"], r["routing"], r["mode"]) for r in rows} == layer_rows | gate_up_rows
+  tokamax_importable = importlib.util.find_spec("tokamax") is not None
   for row in rows:
+    if row["backend"] == "tokamax" and not tokamax_importable:
+      assert row["error"].startswith("tokamax unavailable"), row
+      continue
     assert "error" not in row, row["error"]
     assert row["busy_ms"] > 0 and row["top_kernels"]
     # The listed ops are the largest and add up to no more than the total.
