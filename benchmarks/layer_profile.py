@@ -107,14 +107,15 @@ def main() -> None:
       parser.error(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
     shapes = {name: shapes[name] for name in args.shapes.split(",")}
   num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"layer_profile_{'smoke' if args.smoke else 'h200'}.json")
+  meta = {**common.metadata(), "calls": args.calls}
   rows = []
   for name, shape in shapes.items():
     rows += profile_shape(name, shape, num_tokens, warmup=args.warmup, calls=args.calls, top=args.top)
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"layer_profile_{'smoke' if args.smoke else 'h200'}.json")
-  with open(path, "w") as f:
-    json.dump({**common.metadata(), "calls": args.calls, "rows": rows}, f, indent=1)
-  print(f"wrote {path}")
+    with open(path, "w") as f:  # after every shape, so that a run cut short keeps the shapes it finished
+      json.dump({**meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path} ({name} done)", flush=True)
 
 
 if __name__ == "__main__":
