@@ -4,10 +4,13 @@ inputs (each model shape's single-GPU slice), under ``jax.profiler``: device tim
 XLA op (`common.traced_device_time`).
 
 Tells the grouped GEMMs from the gather, combine and schedule, and each from its dense counterpart, which
-`layer.py`'s wall-clock ratios cannot; its busy times also give the ratios without the host's share of each call
-(dispatch and synchronisation), which `layer.py`'s per-call wall times include for every backend. Per routing it also times the gate/up GEMM alone both ways the kittens
-kernels can feed it: rows gathered by the gather kernel and loaded by TMA ("gate_up:rows"), or read straight from
-the tokens through the row -> token map ("gate_up:gathered", what `moe_ffn` does), in the same process.
+`layer.py`'s wall-clock ratios cannot. Its busy times also give ratios of device time alone: single traced calls,
+apart from one another (so not at the power cap that `layer.py`'s back-to-back calls reach), without the host's share
+of each call (dispatch and synchronisation) that `layer.py`'s per-call wall times include for every backend.
+
+Per routing it also times the gate/up GEMM alone both ways the kittens kernels can feed it: rows gathered by the
+gather kernel and loaded by TMA ("gate_up:rows"), or read straight from the tokens through the row -> token map
+("gate_up:gathered", what `moe_ffn` does), in the same process.
 
   python3 benchmarks/layer_profile.py                   # on the H200: benchmarks/results/layer_profile_h200.json
   python3 benchmarks/layer_profile.py --shapes qwen3.5  # some shapes
