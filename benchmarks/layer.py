@@ -34,7 +34,7 @@ DENSE_DIFFERENTIABLE = (0, 1, 2, 3)
 TABLE = ("shape", "routing", "mode", "backend", "median_ms", "tflops", "vs_dense", "vs_tokamax", "iters", "error")
 
 
-def _routed_layer(backend, ragged_dot, recompute=False):
+def routed_layer(backend, ragged_dot, recompute=False):
   """f(x, weights, ids, w_gate, w_up, w_down) -> y."""
   if backend == "kittens":
     return functools.partial(moe.moe_ffn, backend="kittens", recompute=recompute)
@@ -105,7 +105,7 @@ def benchmark_shape(name, shape, num_tokens, backends, tokamax, args):
         timings.append(common.Timing({**row, "routing": "equal"}, common.Executable(fn, arg_sets[0]), arg_sets, flops))
         continue
       ragged_dot = {"xla": jax.lax.ragged_dot, "tokamax": tokamax[0]}.get(backend)
-      layer = _routed_layer(backend, ragged_dot)
+      layer = routed_layer(backend, ragged_dot)
       fn = layer if mode == "fwd" else forward_backward(layer, ROUTED_DIFFERENTIABLE)
       flops = FLOPS_PER_MODE[mode] * num_tokens * shape.top_k * shape.hidden * shape.intermediate
       arg_sets = {routing: [(x, *inputs["routings"][routing], *inputs["experts"], *d_y) for x in inputs["xs"]]
@@ -120,7 +120,7 @@ def benchmark_shape(name, shape, num_tokens, backends, tokamax, args):
     rows += common.measure_interleaved(timings, args)
   if "kittens" in backends:  # recompute=True is compiled for its memory only
     weights, ids = inputs["routings"]["uniform"]
-    layer = _routed_layer("kittens", None, recompute=True)
+    layer = routed_layer("kittens", None, recompute=True)
     executable = common.Executable(forward_backward(layer, ROUTED_DIFFERENTIABLE),
                                    (inputs["xs"][0], weights, ids, *inputs["experts"], inputs["d_y"]))
     memory.append(common.measure({"shape": name, "backend": "kittens", "recompute": True}, executable.memory))

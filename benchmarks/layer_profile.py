@@ -20,7 +20,6 @@ gather kernel and loaded by TMA ("gate_up:rows"), or read straight from the toke
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ import common  # noqa: E402
 import layer  # noqa: E402
 
 import jax_kittens  # noqa: E402
-from jax_kittens import grouped_matmul, moe, permute, reference  # noqa: E402
+from jax_kittens import grouped_matmul, permute  # noqa: E402
 
 
 def gate_up_alone(shape, gathered):
@@ -58,14 +57,13 @@ def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
   ways. tokamax's rows say why it is missing where it cannot be imported."""
   inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
   x = inputs["xs"][0]
-  kittens = functools.partial(moe.moe_ffn, backend="kittens")
-  # (backend, routing, fn, modes, differentiable, args, d_y)
-  cases = [("kittens", routing, kittens, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
-            (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
   tokamax_ragged_dot, tokamax_unavailable = common.tokamax_ragged_dot()
-  tokamax = functools.partial(reference.moe_ffn, ragged_dot=tokamax_ragged_dot) if tokamax_ragged_dot else None
-  cases += [("tokamax", routing, tokamax, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
-             (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"]) for routing in common.ROUTINGS]
+  routed = {"kittens": layer.routed_layer("kittens", None),
+            "tokamax": layer.routed_layer("tokamax", tokamax_ragged_dot) if tokamax_ragged_dot else None}
+  # (backend, routing, fn, modes, differentiable, args, d_y)
+  cases = [(backend, routing, fn, layer.MODES, layer.ROUTED_DIFFERENTIABLE,
+            (x, *inputs["routings"][routing], *inputs["experts"]), inputs["d_y"])
+           for backend, fn in routed.items() for routing in common.ROUTINGS]
   cases.append(("dense", "equal", layer.dense_layer, layer.MODES, layer.DENSE_DIFFERENTIABLE,
                 (inputs["dense_rows"], *inputs["experts"]), inputs["dense_d_y"]))
   cases += [(f"gate_up:{way}", routing, gate_up_alone(shape, way == "gathered"), ("fwd",), None,
