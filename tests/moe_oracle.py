@@ -44,6 +44,17 @@ def _swiglu_backward(d_activation, saved, limit):
   return d_gate, d_up
 
 
+def _routed_forward(x, ids, w_gate, w_up, w_down, swiglu_limit, kept):
+  """Every kept (token, slot) entry through its expert: (token [N], slot [N], expert [N], activation [N, I],
+  what the SwiGLU backward needs, expert_out [N, H])."""
+  ids = np.asarray(ids)
+  kept = np.ones(ids.shape, bool) if kept is None else np.asarray(kept, bool)
+  token, slot = np.nonzero(kept)
+  expert = ids[token, slot]
+  activation, saved = _swiglu_forward(x[token], w_gate[expert], w_up[expert], swiglu_limit)
+  return token, slot, expert, activation, saved, np.einsum("ni,nih->nh", activation, w_down[expert])
+
+
 def moe_forward_backward(x, weights, ids, w_gate, w_up, w_down, d_y, *, shared_experts=None, swiglu_limit=None,
                          kept=None):
   """The layer and its gradients in float64.
@@ -54,13 +65,9 @@ def moe_forward_backward(x, weights, ids, w_gate, w_up, w_down, d_y, *, shared_e
   """
   x, weights, w_gate, w_up, w_down, d_y = (np.asarray(a, np.float64) for a in (x, weights, w_gate, w_up, w_down, d_y))
   ids = np.asarray(ids)
-  num_tokens, top_k = ids.shape
-  kept = np.ones(ids.shape, bool) if kept is None else np.asarray(kept, bool)
-  token, slot = np.nonzero(kept)
-  expert = ids[token, slot]
+  num_tokens = ids.shape[0]
+  token, slot, expert, activation, saved, expert_out = _routed_forward(x, ids, w_gate, w_up, w_down, swiglu_limit, kept)
   x_rows = x[token]
-  activation, saved = _swiglu_forward(x_rows, w_gate[expert], w_up[expert], swiglu_limit)
-  expert_out = np.einsum("ni,nih->nh", activation, w_down[expert])
   y = np.zeros_like(x)
   np.add.at(y, token, weights[token, slot, None] * expert_out)
 
@@ -89,6 +96,23 @@ def moe_forward_backward(x, weights, ids, w_gate, w_up, w_down, d_y, *, shared_e
     d_x = d_x + ds_gate @ s_gate.T + ds_up @ s_up.T
     d_shared = (x.T @ ds_gate, x.T @ ds_up, d_s_down)
   return y, MoEGrads(d_x, d_weights, d_w_gate, d_w_up, d_w_down, d_shared)
+
+
+def d_weights_error_scale(x, ids, w_gate, w_up, w_down, d_y, *, swiglu_limit=None, kept=None):
+  """[T, k] float64: the scale of a bf16 chain's rounding error in each d_weights entry (zero where not kept).
+
+  d_weights[t, k] = sum_h d_y[t, h] expert_out[t, k, h], and expert_out[t, k, h] = sum_i activation[i] w_down[i, h].
+  Rounding errors enter through both dot products and grow with the root-sum-square of their terms, not with the sum,
+  which can cancel far below them: with a few entries (one token), an error relative to d_weights itself is noise.
+  This is the hypot of the two root-sum-squares: d_y * expert_out over H, and activation * (w_down @ d_y) over I.
+  """
+  x, w_gate, w_up, w_down, d_y = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down, d_y))
+  token, slot, expert, activation, _, expert_out = _routed_forward(x, ids, w_gate, w_up, w_down, swiglu_limit, kept)
+  over_hidden = np.sum((d_y[token] * expert_out) ** 2, axis=1)
+  over_intermediate = np.sum((activation * np.einsum("nih,nh->ni", w_down[expert], d_y[token])) ** 2, axis=1)
+  scale = np.zeros(np.shape(ids))
+  scale[token, slot] = np.sqrt(over_hidden + over_intermediate)
+  return scale
 
 
 def random_ids(rng, num_tokens, top_k, num_experts, load="uniform"):
