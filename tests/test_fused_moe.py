@@ -84,8 +84,8 @@ def flat_grads(grads):
 def errors_against(y, grads, want_y, want_grads, weights_scale=None):
   """Relative Frobenius errors of y and every gradient, by name.
 
-  weights_scale: optional [T, k] (moe_oracle.d_weights_error_scale); d weights's error is then relative to its norm,
-  not to d weights's own, which in a layer of a few tokens can cancel far below its rounding error.
+  weights_scale: optional [T, k] (moe_oracle.d_weights_error_scale); the d weights error is then relative to its
+  norm, not to the norm of d weights itself, which in a layer of a few tokens can cancel far below its rounding error.
   """
   errors = {"y": rel_error(y, want_y)}
   names = GRAD_NAMES + (("shared w_gate", "shared w_up", "shared w_down") if grads[5] is not None else ())
