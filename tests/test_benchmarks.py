@@ -36,15 +36,16 @@ def test_layer_profile_smoke(tmp_path):
     assert listed == sorted(listed, reverse=True) and sum(listed) <= row["busy_ms"] * (1 + 1e-9)
 
 
-def _bench_common():
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import common  # noqa: PLC0415 (the benchmarks folder is not a package)
-
-  return common
+def _benchmark_module(name):
+  """A script of benchmarks/ as a module (the folder is not a package)."""
+  folder = os.path.join(ROOT, "benchmarks")
+  if folder not in sys.path:
+    sys.path.insert(0, folder)
+  return importlib.import_module(name)
 
 
 def test_time_interleaved_alternates_and_records_failures():
-  common = _bench_common()
+  common = _benchmark_module("common")
   log = []
 
   def call(name, fail_at=None):
@@ -66,7 +67,7 @@ def test_time_interleaved_alternates_and_records_failures():
 
 
 def test_time_interleaved_budget_bounds_slow_functions():
-  common = _bench_common()
+  common = _benchmark_module("common")
   import time  # noqa: PLC0415
 
   calls = {"slow": 0, "fast": 0}
@@ -86,7 +87,7 @@ def test_time_interleaved_budget_bounds_slow_functions():
 
 
 def test_add_ratio_matches_routing_and_gives_dense_its_ceiling():
-  common = _bench_common()
+  common = _benchmark_module("common")
   rows = [{"backend": "dense", "shape": "a", "mode": "fwd", "routing": "equal", "tflops": 600.0},
           {"backend": "tokamax", "shape": "a", "mode": "fwd", "routing": "uniform", "tflops": 250.0},
           {"backend": "tokamax", "shape": "a", "mode": "fwd", "routing": "skewed", "tflops": 200.0},
@@ -119,10 +120,7 @@ def test_benchmark_tables_smoke(tmp_path):
 
 def test_gemm_counters_cases_run(tmp_path):
   """Each case's launches (what ncu profiles on the GPU) run on the tiny shapes."""
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  import gemm_counters  # noqa: PLC0415 (the benchmarks folder is not a package)
-
-  for case in gemm_counters.CASES:
+  for case in _benchmark_module("gemm_counters").CASES:
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gemm_counters.py"), "--run", case, "--shape",
                     "smoke-a", "--smoke"], check=True, cwd=ROOT, capture_output=True, text=True)
 
