@@ -284,23 +284,53 @@ def _ragged_dot_bwd(out_dtype, residuals, d_out):
   return d_lhs, d_rhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
-def _kittens_supports(lhs, rhs, group_sizes):
-  return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and group_sizes.dtype == jnp.int32
+def _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offset, out_sharding) -> str | None:
+  """What of a ragged_dot call the kernels do not take (completing "backend='kittens' ..."), or None."""
+  if not (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and group_sizes.dtype == jnp.int32
           and lhs.shape[1] % FEATURE_ALIGN == 0 and rhs.shape[2] % FEATURE_ALIGN == 0 and lhs.shape[1] > 0
-          and rhs.shape[2] > 0)
+          and rhs.shape[2] > 0):
+    return (f"needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of {FEATURE_ALIGN}; got lhs "
+            f"{lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, group_sizes {group_sizes.dtype}")
+  if out_dtype not in (jnp.bfloat16, jnp.float32):
+    return f"needs preferred_element_type bfloat16 or float32, got {out_dtype}"
+  if not _precision_supported(precision):
+    return f"needs precision None or a jax.lax.Precision, got {precision!r}"
+  if group_offset is not None or out_sharding is not None:
+    return "needs group_offset and out_sharding None"
+  return None
 
 
-def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, preferred_element_type=None,
-               backend: str = "auto") -> jax.Array:
-  """Drop-in for `jax.lax.ragged_dot` (same semantics and VJP): ``out[r] = lhs[r] @ rhs[g]`` for the rows of group g.
+def _precision_supported(precision) -> bool:
+  """Whether ``precision`` (jax.lax.dot's argument) asks for what the kernels compute: bf16 products, f32 sums.
+
+  For bf16 operands every `jax.lax.Precision` (a name, a member or a pair of them) computes exactly that; a
+  `jax.lax.DotAlgorithm` or preset names its own algorithm, which the kernels do not take.
+  """
+  for part in precision if isinstance(precision, (tuple, list)) else (precision,):
+    if part is None:
+      continue
+    try:
+      jax.lax.Precision(part)
+    except (TypeError, ValueError):
+      return False
+  return True
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None, preferred_element_type=None,
+               group_offset: jax.Array | None = None, out_sharding=None, *, backend: str = "auto") -> jax.Array:
+  """Drop-in for `jax.lax.ragged_dot` (same arguments, semantics and VJP): ``out[r] = lhs[r] @ rhs[g]`` for the rows
+  of group g.
 
   Args:
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int32, consecutive row groups from row 0 (any sizes, 0 included;
       rows past ``sum(group_sizes)`` give 0).
+    precision: as for `jax.lax.dot`. The kernels take None or any `jax.lax.Precision` (for bf16 operands each
+      means bf16 products summed in float32); a `jax.lax.DotAlgorithm` or preset goes to xla.
     preferred_element_type: output dtype (default lhs.dtype).
+    group_offset, out_sharding: passed to `jax.lax.ragged_dot`; the kernels take only None.
     backend: "kittens" (the grouped GEMM kernels: bf16 operands, K and N multiples of FEATURE_ALIGN; anything else
       raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens where `_extension.kittens_by_default()` and the
-      operands are supported, else xla).
+      arguments are supported, else xla).
 
   Returns:
     [M, N] preferred_element_type.
@@ -315,16 +345,15 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, prefer
   if group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"group_sizes must have shape [G={rhs.shape[0]}], got {tuple(group_sizes.shape)}")
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+  unsupported = _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offset, out_sharding)
   if backend == "auto":
-    supported = _kittens_supports(lhs, rhs, group_sizes) and out_dtype in (jnp.bfloat16, jnp.float32)
-    backend = "kittens" if supported and _extension.kittens_by_default() else "xla"
+    backend = "kittens" if unsupported is None and _extension.kittens_by_default() else "xla"
   if backend == "xla":
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-  if not _kittens_supports(lhs, rhs, group_sizes):
-    raise ValueError("backend='kittens' needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of "
-                     f"{FEATURE_ALIGN}; got lhs {lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, "
-                     f"group_sizes {group_sizes.dtype}")
-  return _ragged_dot_kittens(lhs, rhs, group_sizes, _check_out_dtype(out_dtype))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset=group_offset,
+                              out_sharding=out_sharding)
+  if unsupported is not None:
+    raise ValueError(f"backend='kittens' {unsupported}")
+  return _ragged_dot_kittens(lhs, rhs, group_sizes, out_dtype)
 
 
 _ragged_dot_kittens.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

@@ -282,6 +282,37 @@ def test_ragged_dot_auto_falls_back_for_unsupported_shapes():
     gm.ragged_dot(lhs, rhs, group_sizes, backend="kittens")
 
 
+def test_ragged_dot_takes_lax_arguments(monkeypatch):
+  """jax.lax.ragged_dot's positional and keyword arguments: precisions run the kernels, the rest go to xla."""
+  rng = np.random.default_rng(8)
+  lhs, rhs = bf16(rng, 70, 64), bf16(rng, 3, 64, 128)
+  group_sizes = jnp.asarray([30, 0, 33], jnp.int32)
+  ref = jax.lax.ragged_dot(lhs, rhs, group_sizes, None, jnp.float32)
+  for precision in (None, "highest", jax.lax.Precision.DEFAULT, ("high", jax.lax.Precision.HIGHEST)):
+    out = gm.ragged_dot(lhs, rhs, group_sizes, precision, jnp.float32, backend="kittens")
+    assert out.dtype == jnp.float32 and rel_err(out, ref) < BF16_TOL
+
+  # "auto" where the kernels are the default: what they do not take goes to jax.lax.ragged_dot.
+  monkeypatch.setattr(gm._extension, "kittens_by_default", lambda **_: True)
+  xla_calls = []
+  monkeypatch.setattr(gm.jax.lax, "ragged_dot", lambda *args, **kwargs: xla_calls.append((args, kwargs)))
+  gm.ragged_dot(lhs, rhs, group_sizes, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+  gm.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float16)
+  gm.ragged_dot(lhs, rhs, group_sizes, group_offset=jnp.zeros((1,), jnp.int32))
+  assert len(xla_calls) == 3
+  assert xla_calls[0][0][3] == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 and xla_calls[1][0][4] == jnp.float16
+  assert xla_calls[2][1]["group_offset"].shape == (1,)
+  assert rel_err(gm.ragged_dot(lhs, rhs, group_sizes, "highest", jnp.float32), ref) < BF16_TOL
+  assert len(xla_calls) == 3  # a Precision stays on the kernels
+
+  with pytest.raises(ValueError, match="precision None or a jax.lax.Precision"):
+    gm.ragged_dot(lhs, rhs, group_sizes, jax.lax.DotAlgorithmPreset.BF16_BF16_F32, backend="kittens")
+  with pytest.raises(ValueError, match="preferred_element_type bfloat16 or float32"):
+    gm.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float16, backend="kittens")
+  with pytest.raises(ValueError, match="group_offset and out_sharding None"):
+    gm.ragged_dot(lhs, rhs, group_sizes, group_offset=jnp.zeros((1,), jnp.int32), backend="kittens")
+
+
 def test_argument_errors():
   x = jnp.zeros((128, 64), jnp.bfloat16)
   w = jnp.zeros((2, 64, 64), jnp.bfloat16)
