@@ -31,6 +31,10 @@ FEATURE_ALIGN = 64
 
 BACKENDS = ("auto", "kittens", "xla")
 
+# ragged_dot's xla backend, taken at import: a model patched with ``jax.lax.ragged_dot = jax_kittens.ragged_dot``
+# must not reach ragged_dot again through it.
+_lax_ragged_dot = jax.lax.ragged_dot
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Argument checks (trace time).
@@ -349,8 +353,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
   if backend == "auto":
     backend = "kittens" if unsupported is None and _extension.kittens_by_default() else "xla"
   if backend == "xla":
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset=group_offset,
-                              out_sharding=out_sharding)
+    return _lax_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset=group_offset,
+                           out_sharding=out_sharding)
   if unsupported is not None:
     raise ValueError(f"backend='kittens' {unsupported}")
   return _ragged_dot_kittens(lhs, rhs, group_sizes, out_dtype)

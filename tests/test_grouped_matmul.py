@@ -295,7 +295,7 @@ def test_ragged_dot_takes_lax_arguments(monkeypatch):
   # "auto" where the kernels are the default: what they do not take goes to jax.lax.ragged_dot.
   monkeypatch.setattr(gm._extension, "kittens_by_default", lambda **_: True)
   xla_calls = []
-  monkeypatch.setattr(gm.jax.lax, "ragged_dot", lambda *args, **kwargs: xla_calls.append((args, kwargs)))
+  monkeypatch.setattr(gm, "_lax_ragged_dot", lambda *args, **kwargs: xla_calls.append((args, kwargs)))
   gm.ragged_dot(lhs, rhs, group_sizes, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
   gm.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float16)
   gm.ragged_dot(lhs, rhs, group_sizes, group_offset=jnp.zeros((1,), jnp.int32))
@@ -311,6 +311,16 @@ def test_ragged_dot_takes_lax_arguments(monkeypatch):
     gm.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float16, backend="kittens")
   with pytest.raises(ValueError, match="group_offset and out_sharding None"):
     gm.ragged_dot(lhs, rhs, group_sizes, group_offset=jnp.zeros((1,), jnp.int32), backend="kittens")
+
+
+def test_ragged_dot_patched_into_lax(monkeypatch):
+  """``jax.lax.ragged_dot = jax_kittens.ragged_dot`` (a model patched in place): what goes to xla still runs."""
+  rng = np.random.default_rng(9)
+  lhs, rhs = bf16(rng, 20, 24), bf16(rng, 2, 24, 40)  # K, N not multiples of 64: the xla backend
+  group_sizes = jnp.asarray([7, 13], jnp.int32)
+  ref = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  monkeypatch.setattr(jax.lax, "ragged_dot", gm.ragged_dot)
+  np.testing.assert_array_equal(f64(jax.lax.ragged_dot(lhs, rhs, group_sizes)), f64(ref))
 
 
 def test_argument_errors():
