@@ -288,22 +288,6 @@ def _ragged_dot_bwd(out_dtype, residuals, d_out):
   return d_lhs, d_rhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
-def _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offset, out_sharding) -> str | None:
-  """What of a ragged_dot call the kernels do not take (completing "backend='kittens' ..."), or None."""
-  if not (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and group_sizes.dtype == jnp.int32
-          and lhs.shape[1] % FEATURE_ALIGN == 0 and rhs.shape[2] % FEATURE_ALIGN == 0 and lhs.shape[1] > 0
-          and rhs.shape[2] > 0):
-    return (f"needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of {FEATURE_ALIGN}; got lhs "
-            f"{lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, group_sizes {group_sizes.dtype}")
-  if out_dtype not in (jnp.bfloat16, jnp.float32):
-    return f"needs preferred_element_type bfloat16 or float32, got {out_dtype}"
-  if not _precision_supported(precision):
-    return f"needs precision None or a jax.lax.Precision, got {precision!r}"
-  if group_offset is not None or out_sharding is not None:
-    return "needs group_offset and out_sharding None"
-  return None
-
-
 def _precision_supported(precision) -> bool:
   """Whether ``precision`` (jax.lax.dot's argument) asks for what the kernels compute: bf16 products, f32 sums.
 
@@ -318,6 +302,22 @@ def _precision_supported(precision) -> bool:
     except (TypeError, ValueError):
       return False
   return True
+
+
+def _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offset, out_sharding) -> str | None:
+  """What of a ragged_dot call the kernels do not take (completing "backend='kittens' ..."), or None."""
+  if not (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and group_sizes.dtype == jnp.int32
+          and lhs.shape[1] % FEATURE_ALIGN == 0 and rhs.shape[2] % FEATURE_ALIGN == 0 and lhs.shape[1] > 0
+          and rhs.shape[2] > 0):
+    return (f"needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of {FEATURE_ALIGN}; got lhs "
+            f"{lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, group_sizes {group_sizes.dtype}")
+  if out_dtype not in (jnp.bfloat16, jnp.float32):
+    return f"needs preferred_element_type bfloat16 or float32, got {out_dtype}"
+  if not _precision_supported(precision):
+    return f"needs precision None or a jax.lax.Precision, got {precision!r}"
+  if group_offset is not None or out_sharding is not None:
+    return "needs group_offset and out_sharding None"
+  return None
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None, preferred_element_type=None,
