@@ -31,6 +31,8 @@ FEATURE_ALIGN = 64
 
 BACKENDS = ("auto", "kittens", "xla")
 
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what the kernels' epilogues store
+
 # ragged_dot's xla backend, taken at import: a model patched with ``jax.lax.ragged_dot = jax_kittens.ragged_dot``
 # must not reach ragged_dot again through it.
 _lax_ragged_dot = jax.lax.ragged_dot
@@ -70,7 +72,7 @@ def _check_rows(name, x, rows):
 
 def _check_out_dtype(out_dtype):
   out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+  if out_dtype not in _OUT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
   return out_dtype
 
@@ -311,7 +313,7 @@ def _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offs
           and rhs.shape[2] > 0):
     return (f"needs bf16 lhs and rhs, int32 group_sizes, and K, N positive multiples of {FEATURE_ALIGN}; got lhs "
             f"{lhs.dtype}{tuple(lhs.shape)}, rhs {rhs.dtype}{tuple(rhs.shape)}, group_sizes {group_sizes.dtype}")
-  if out_dtype not in (jnp.bfloat16, jnp.float32):
+  if out_dtype not in _OUT_DTYPES:
     return f"needs preferred_element_type bfloat16 or float32, got {out_dtype}"
   if not _precision_supported(precision):
     return f"needs precision None or a jax.lax.Precision, got {precision!r}"
