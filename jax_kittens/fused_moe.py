@@ -16,7 +16,7 @@ Backward (`jax.custom_vjp`):
   -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm with lhs2, rhs2; nothing concatenated)
   -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
   weight gradients as grouped GEMMs over the ragged rows (jk_tgmm x3; dW_down's hidden rows scaled by the router
-  weights in an XLA elementwise pass), and d(router weights) gathered from the rows back to [T, k]. The shared
+  weights, stored by the dgrad epilogue), and d(router weights) gathered from the rows back to [T, k]. The shared
   experts' weight gradients contract one group of T rows: when that gives few output tiles, the rows are cut into
   slices contracted as separate groups (float32 partials, summed in slice order).
 ``recompute=False`` keeps the gate/up pre-activations from the forward ([R, I] bf16 each, R =
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import grouped_matmul, permute, reference, routing
+from jax_kittens import grouped_matmul, permute, routing
 from jax_kittens.moe_stats import MoEStats
 
 
@@ -104,7 +104,7 @@ class _Layout:
 
   def dgrad(self, dy_rows, w_down, gate, up, row_weights, limit):
     return grouped_matmul.gmm_swiglu_dgrad(dy_rows, w_down, gate, up, row_weights, self.offsets, self.sizes,
-                                           swiglu_limit=limit)
+                                           swiglu_limit=limit, save_weighted_act=True)
 
 
 def _num_rows(ids, num_experts):
@@ -125,25 +125,21 @@ def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down
   """Gradients of the experts over rows: (d_x_rows [R, H], d_row_weights [R] f32, (dW_gate, dW_up, dW_down)).
 
   dy_rows is the unweighted gradient of each row's token; row_weights [R] f32 scales it (the router weight of the
-  row), or None for weight 1 (the shared experts: dW_down then needs no row scale).
+  row), or None for weight 1 (the shared experts).
   preactivations: the forward's (gate, up), or None to recompute them.
   """
   if preactivations is None:
-    act, gate, up = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, True)
-  else:
-    gate, up = preactivations
-    # Elementwise from the bf16 pre-activations: the hidden the dgrad epilogue uses for d_row_weights too.
-    act = reference.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit).astype(gate.dtype)
+    preactivations = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, True)[1:]
+  gate, up = preactivations
+  # dW_down contracts the hidden rows scaled by the router weights: bf16(w * act), with act from the bf16
+  # pre-activations, stored by the dgrad epilogue (an elementwise pass of its own, or tgmm scaling each stage in
+  # shared memory, cost a third more than that GEMM; fbbec6a profile).
   dgrad_weights = jnp.ones(dy_rows.shape[:1], jnp.float32) if row_weights is None else row_weights
-  d_gate, d_up, d_row_weights = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
+  d_gate, d_up, d_row_weights, weighted_act = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
   d_x_rows = layout.gmm(d_gate, w_gate, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
   d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
   d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
-  if row_weights is not None:
-    # dW_down contracts the weighted rows, scaled in an elementwise pass that XLA fuses with the SwiGLU above:
-    # scaling each shared-memory stage inside tgmm instead cost a third more time than the GEMM (fbbec6a profile).
-    act = (act.astype(jnp.float32) * row_weights[:, None]).astype(act.dtype)
-  d_w_down = layout.tgmm(act, dy_rows, w_down.dtype)
+  d_w_down = layout.tgmm(weighted_act, dy_rows, w_down.dtype)
   return d_x_rows, d_row_weights, (d_w_gate, d_w_up, d_w_down)
 
 

@@ -192,12 +192,14 @@ def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: 
 
 
 def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.Array, row_weights: jax.Array,
-                     group_offsets: jax.Array, group_sizes: jax.Array, *, swiglu_limit: float | None = None):
+                     group_offsets: jax.Array, group_sizes: jax.Array, *, swiglu_limit: float | None = None,
+                     save_weighted_act: bool = False):
   """Down-projection dgrad with the SwiGLU backward and the router-weight gradient fused into the epilogue.
 
   With ``g = dy_rows[r] @ w_down[grp].T`` (float32) and ``act = bf16(swiglu(gate, up))`` (the forward's hidden):
   ``d_row_weights[r] = sum_i g[i] * act[i]`` (a deterministic reduction), ``d_act = row_weights[r] * g``, and
   d_gate, d_up the SwiGLU backward of d_act (zero where the clamp was active, 1/2 on its bound, as JAX's min/max).
+  The epilogue can also store ``weighted_act = bf16(row_weights[r] * act)``, the lhs of dW_down's `tgmm`.
 
   Args:
     dy_rows: [R, H] bf16 gradient of the (unweighted) expert outputs' rows.
@@ -206,9 +208,11 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
     row_weights: [R] float32 router weight of each row.
     group_offsets: [G+1] int32; group_sizes: [G] int32.
     swiglu_limit: the forward's clamp.
+    save_weighted_act: also return weighted_act.
 
   Returns:
-    (d_gate [R, I] bf16, d_up [R, I] bf16, d_row_weights [R] float32); padding rows are 0.
+    (d_gate [R, I] bf16, d_up [R, I] bf16, d_row_weights [R] float32), then weighted_act [R, I] bf16 with
+    ``save_weighted_act``; padding rows are 0.
   """
   _check_array("dy_rows", dy_rows, 2)
   _check_array("w_down", w_down, 3)
@@ -230,10 +234,11 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
   _check_groups(group_offsets, group_sizes, num_groups)
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
-               jax.ShapeDtypeStruct((rows,), jnp.float32))
-  return tuple(_extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy_rows, w_down, gate, up, row_weights,
-                                   group_offsets, group_sizes, vmap_method="sequential",
-                                   swiglu_limit=_limit_attr(swiglu_limit)))
+               jax.ShapeDtypeStruct((rows,), jnp.float32),
+               jax.ShapeDtypeStruct((rows if save_weighted_act else 0, inner), jnp.bfloat16))
+  outs = _extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy_rows, w_down, gate, up, row_weights, group_offsets,
+                             group_sizes, vmap_method="sequential", swiglu_limit=_limit_attr(swiglu_limit))
+  return tuple(outs) if save_weighted_act else tuple(outs[:3])
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,

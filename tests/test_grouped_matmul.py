@@ -194,8 +194,8 @@ def test_gmm_swiglu_dgrad_matches_autodiff(limit):
   gate, up = bf16(rng, rows, inner), bf16(rng, rows, inner)
   dy, w_down = bf16(rng, rows, hidden), bf16(rng, 4, inner, hidden, scale=0.1)
   row_weights = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
-  d_gate, d_up, d_weights = gm.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, offsets, group_sizes,
-                                                swiglu_limit=limit)
+  d_gate, d_up, d_weights, weighted_act = gm.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, offsets, group_sizes,
+                                                              swiglu_limit=limit, save_weighted_act=True)
   # Oracle: autodiff of  sum_r <dy[r], w_r * (swiglu(gate, up)[r] @ w_down[g])>  over data rows, in float64 numpy
   # form: g = dy @ w_down^T; d_act = w * g; d_w = <g, act>.
   g = gmm_oracle(dy, w_down, offsets, group_sizes, transpose_rhs=True)
@@ -216,7 +216,13 @@ def test_gmm_swiglu_dgrad_matches_autodiff(limit):
   is_data = np.zeros(rows, bool)
   for _, r in data_rows_of(np.asarray(offsets), sizes):
     is_data[r] = True
+  assert rel_err(weighted_act, np.where(is_data[:, None], f64(row_weights)[:, None] * act, 0.0)) < BF16_TOL
   assert np.all(f64(d_weights)[~is_data] == 0) and np.all(f64(d_gate)[~is_data] == 0)
+  assert np.all(f64(weighted_act)[~is_data] == 0)
+  # Without weighted_act: the same bits for the rest.
+  for out, ref in zip(gm.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, offsets, group_sizes, swiglu_limit=limit),
+                      (d_gate, d_up, d_weights)):
+    np.testing.assert_array_equal(f64(out), f64(ref))
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -451,14 +457,18 @@ def test_gpu_swiglu_and_dgrad(limit, inner):
   dy = bf16(rng, rows, hidden)
   w_down = bf16(rng, groups, inner, hidden, scale=inner ** -0.5)
   row_weights = jnp.asarray(rng.uniform(0.1, 1, rows), jnp.float32)
-  dgrad_fn = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=limit))
+  dgrad_fn = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=limit, save_weighted_act=True))
   dgrad_fn(dy, w_down, gate, up, row_weights, offsets, group_sizes)[0].block_until_ready()  # compile first
-  poison_device_memory(2 * rows * inner * 2)
-  d_gate, d_up, d_w = dgrad_fn(dy, w_down, gate, up, row_weights, offsets, group_sizes)
+  poison_device_memory(3 * rows * inner * 2)
+  d_gate, d_up, d_w, weighted_act = dgrad_fn(dy, w_down, gate, up, row_weights, offsets, group_sizes)
   g = gmm_gpu_reference(dy, jnp.swapaxes(w_down, 1, 2), offsets, sizes)
   gate64, up64 = f64(gate), f64(up)
   act64 = swiglu64(gate64, up64, limit)
   assert rel_err(d_w, np.sum(g * f64(jnp.asarray(act64, jnp.bfloat16)), axis=1)) < 1e-2
+  is_data = np.zeros(rows, bool)
+  for _, r in data_rows_of(np.asarray(offsets), sizes):
+    is_data[r] = True
+  assert rel_err(weighted_act, np.where(is_data[:, None], f64(row_weights)[:, None] * act64, 0.0)) < 1e-2
   gate_c = np.minimum(gate64, limit) if limit else gate64
   up_c = np.clip(up64, -limit, limit) if limit else up64
   sig = 1 / (1 + np.exp(-gate_c))

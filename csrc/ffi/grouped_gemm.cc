@@ -180,15 +180,19 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
                              ffi::Buffer<ffi::BF16> up, ffi::Buffer<ffi::F32> row_weights,
                              ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
                              ffi::ResultBuffer<ffi::BF16> d_gate, ffi::ResultBuffer<ffi::BF16> d_up,
-                             ffi::ResultBuffer<ffi::F32> d_row_weights, float swiglu_limit) {
+                             ffi::ResultBuffer<ffi::F32> d_row_weights, ffi::ResultBuffer<ffi::BF16> weighted_act,
+                             float swiglu_limit) {
   gg::DgradShape s;
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
-                                         row_weights.element_count(), offsets.element_count(), sizes.element_count(),
-                                         &s));
+                                         row_weights.element_count(), weighted_act->dimensions(),
+                                         offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   SwigluClamp clamp{swiglu_limit};
-  std::fill_n(d_gate->typed_data(), s.rows * s.inner, kBf16Nan);
-  std::fill_n(d_up->typed_data(), s.rows * s.inner, kBf16Nan);
+  uint16_t* outputs[3] = {d_gate->typed_data(), d_up->typed_data(),
+                          s.save_weighted_act ? weighted_act->typed_data() : nullptr};
+  for (uint16_t* o : outputs) {
+    if (o != nullptr) std::fill_n(o, s.rows * s.inner, kBf16Nan);
+  }
   // Per-(n block, row) partials summed in block order afterwards: the kernels' deterministic reduction.
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
   std::vector<float> partials(n_blocks * s.rows, std::numeric_limits<float>::quiet_NaN());
@@ -206,16 +210,18 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
           float gate_i = bf16_bits_to_float(gate.typed_data()[i]);
           float up_i = bf16_bits_to_float(up.typed_data()[i]);
           float dg, du;
-          float act = gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du);
-          partial += g[c - n0] * round_to_bf16(act);
-          d_gate->typed_data()[i] = float_to_bf16_bits(dg);
-          d_up->typed_data()[i] = float_to_bf16_bits(du);
+          float act = round_to_bf16(gg::swiglu_backward(gate_i, up_i, weight * g[c - n0], clamp, &dg, &du));
+          partial += g[c - n0] * act;
+          outputs[0][i] = float_to_bf16_bits(dg);
+          outputs[1][i] = float_to_bf16_bits(du);
+          if (s.save_weighted_act) outputs[2][i] = float_to_bf16_bits(weight * act);
         }
         partials[n_block * s.rows + r] = partial;
       },
       [&](int64_t r, int32_t n0, int32_t n1, int32_t n_block) {
-        std::fill(d_gate->typed_data() + r * s.inner + n0, d_gate->typed_data() + r * s.inner + n1, uint16_t{0});
-        std::fill(d_up->typed_data() + r * s.inner + n0, d_up->typed_data() + r * s.inner + n1, uint16_t{0});
+        for (uint16_t* o : outputs) {
+          if (o != nullptr) std::fill(o + r * s.inner + n0, o + r * s.inner + n1, uint16_t{0});
+        }
         partials[n_block * s.rows + r] = 0.0f;
       }));
   for (int64_t r = 0; r < s.rows; ++r) {

@@ -261,11 +261,11 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                               ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
                               ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
                               ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
-                              float swiglu_limit) {
+                              ffi::ResultBuffer<ffi::BF16> weighted_act, float swiglu_limit) {
   gg::DgradShape s;
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
-                                         row_weights.element_count(), offsets.element_count(), sizes.element_count(),
-                                         &s));
+                                         row_weights.element_count(), weighted_act->dimensions(),
+                                         offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
   if (s.rows == 0) return ffi::Error::Success();
@@ -282,6 +282,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
   p.out = d_gate->untyped_data();
   p.out2 = d_up->typed_data();
+  p.out3 = s.save_weighted_act ? weighted_act->typed_data() : nullptr;
   p.gate_in = gate.typed_data();
   p.up_in = up.typed_data();
   p.row_weights = row_weights.typed_data();
@@ -289,6 +290,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.clamp = {swiglu_limit};
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
+  if (s.save_weighted_act) JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[2], p.out3, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR((launch<sm90::Mode::kSwigluDgrad, false, uint16_t>(
       stream, scratch, maps, p, row_tile_bound(s.rows, s.groups, n_blocks), n_blocks)));
   constexpr int kThreads = 256;

@@ -64,23 +64,29 @@ inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_co
   return ffi::Error::Success();
 }
 
-// jk_gmm_swiglu_dgrad: dy_rows [R, H] x w_down [G, I, H]^T; gate, up [R, I]; row_weights [R].
+// jk_gmm_swiglu_dgrad: dy_rows [R, H] x w_down [G, I, H]^T; gate, up [R, I]; row_weights [R]; the weighted act
+// output [R, I], or [0, I] when not saved.
 struct DgradShape {
   int64_t rows, hidden, inner, groups;
+  bool save_weighted_act;
 };
 
 inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, ffi::Span<const int64_t> w_down,
                               ffi::Span<const int64_t> gate, ffi::Span<const int64_t> up, int64_t row_weights_count,
-                              int64_t offsets_count, int64_t sizes_count, DgradShape* shape) {
+                              ffi::Span<const int64_t> weighted_act, int64_t offsets_count, int64_t sizes_count,
+                              DgradShape* shape) {
   JK_FFI_CHECK(dy.size() == 2 && w_down.size() == 3 && gate.size() == 2 && up.size() == 2,
                "jk_gmm_swiglu_dgrad: dy_rows, gate, up 2-D; w_down 3-D");
   JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy_rows columns must be H (w_down [G, I, H])");
   JK_FFI_CHECK(gate[0] == dy[0] && gate[1] == w_down[1] && up[0] == dy[0] && up[1] == w_down[1],
                "jk_gmm_swiglu_dgrad: gate and up must be [R, I]");
   JK_FFI_CHECK(row_weights_count == dy[0], "jk_gmm_swiglu_dgrad: row_weights must be [R]");
+  JK_FFI_CHECK(weighted_act.size() == 2 && (weighted_act[0] == dy[0] || weighted_act[0] == 0) &&
+                   weighted_act[1] == w_down[1],
+               "jk_gmm_swiglu_dgrad: weighted_act must be [R, I] or [0, I]");
   JK_FFI_CHECK(offsets_count == w_down[0] + 1 && sizes_count == w_down[0],
                "jk_gmm_swiglu_dgrad: group_offsets [G+1], group_sizes [G]");
-  *shape = {dy[0], w_down[2], w_down[1], w_down[0]};
+  *shape = {dy[0], w_down[2], w_down[1], w_down[0], weighted_act[0] != 0};
   return ffi::Error::Success();
 }
 
@@ -148,6 +154,7 @@ auto gmm_swiglu_dgrad_signature(Binding binding) {
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Attr<float>("swiglu_limit");
 }
 

@@ -75,7 +75,7 @@ constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal
 enum class Mode : int {
   kGmm = 0,          // out = lhs @ rhs (+ lhs2 @ rhs2: k steps k_steps1.. run over the second pair)
   kSwiglu = 1,       // act = swiglu(lhs @ w_gate, lhs @ w_up) (+ saved gate, up)
-  kSwigluDgrad = 2,  // g = dy @ w_down^T; SwiGLU backward and per-n-block router-weight partials
+  kSwigluDgrad = 2,  // g = dy @ w_down^T; SwiGLU backward, per-n-block router-weight partials (+ weighted act)
   kTgmm = 3,         // out[g] = lhs[rows of g]^T @ rhs[rows of g]
 };
 
@@ -87,7 +87,7 @@ struct Params {
   int32_t k_steps2;  // ... and over rhs2 (K2 / 64)
   void* out;         // gmm: [R, N]; tgmm: [G, K, N]; swiglu: act [R, I]; dgrad: d_gate [R, I]
   uint16_t* out2;    // swiglu: saved gate (or null); dgrad: d_up
-  uint16_t* out3;    // swiglu: saved up (or null)
+  uint16_t* out3;    // swiglu: saved up (or null); dgrad: weighted act (or null)
   const uint16_t* gate_in;  // dgrad
   const uint16_t* up_in;    // dgrad
   const float* row_weights;    // dgrad
@@ -107,8 +107,8 @@ struct TensorMaps {
   CUtensorMap a2;  // lhs2 (gmm with a second K range)
   CUtensorMap b;   // rhs (gmm, tgmm, dgrad) or w_gate (swiglu)
   CUtensorMap b2;  // rhs2 (gmm) or w_up (swiglu)
-  // bf16 outputs, boxes of kStoreRows x 64: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up [R, I];
-  // tgmm out [G, K, N]. Unused (never read) for float32 outputs.
+  // bf16 outputs, boxes of kStoreRows x 64: gmm out [R, N]; swiglu act, gate, up [R, I]; dgrad d_gate, d_up,
+  // weighted act [R, I]; tgmm out [G, K, N]. Unused (never read) for float32 outputs.
   CUtensorMap out[3];
 };
 
@@ -774,28 +774,32 @@ __device__ __forceinline__ ChunkPairs swiglu_chunk(const float* acc, int c, cons
   });
 }
 
-// dgrad of chunk c from g = dy @ w_down^T (acc) and the saved gate/up: d_gate, d_up (zeros in rows without data,
-// where dy's padding rows may hold anything) and each row's router-weight partial sum(g * act).
+// dgrad of chunk c from g = dy @ w_down^T (acc) and the saved gate/up: d_gate, d_up, the weighted act
+// bf16(w * bf16(act)) that dW_down contracts (zeros in rows without data, where dy's padding rows may hold anything)
+// and each row's router-weight partial sum(g * act).
 __device__ __forceinline__ void swiglu_dgrad_chunk(const float* acc, const SavedGateUp& saved, int c,
                                                    const EpilogueRows& rows, const float (&weights)[2],
                                                    SwigluClamp clamp, ChunkPairs* d_gate, ChunkPairs* d_up,
-                                                   float (&row_partial)[2]) {
+                                                   ChunkPairs* weighted_act, float (&row_partial)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int k = 2 * jj + h;
-      float dg[2], du[2], partial = 0.0f;
+      float dg[2], du[2], weighted[2], partial = 0.0f;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float gate = bf16_bits_to_float(static_cast<uint16_t>(e ? saved.gate.v[k] >> 16 : saved.gate.v[k]));
         const float up = bf16_bits_to_float(static_cast<uint16_t>(e ? saved.up.v[k] >> 16 : saved.up.v[k]));
         const float g = acc[4 * (8 * c + jj) + 2 * h + e];
-        partial += g * round_to_bf16(swiglu_backward(gate, up, weights[h] * g, clamp, &dg[e], &du[e]));
+        const float act = round_to_bf16(swiglu_backward(gate, up, weights[h] * g, clamp, &dg[e], &du[e]));
+        partial += g * act;
+        weighted[e] = weights[h] * act;
       }
       row_partial[h] += rows.data[h] ? partial : 0.0f;
       d_gate->v[k] = rows.data[h] ? pack_bf16x2(dg[0], dg[1]) : 0u;
       d_up->v[k] = rows.data[h] ? pack_bf16x2(du[0], du[1]) : 0u;
+      weighted_act->v[k] = rows.data[h] ? pack_bf16x2(weighted[0], weighted[1]) : 0u;
     }
   }
 }
@@ -870,14 +874,16 @@ __device__ __forceinline__ void epilogue(const TensorMaps& maps, const Params& p
       }
     } else {  // kSwigluDgrad
       const SavedGateUp saved = load_saved_gate_up(p, tile, rows, c, warp, lane);
-      ChunkPairs d_gate, d_up;
+      ChunkPairs d_gate, d_up, weighted_act;
       if (p.clamp.active()) {
-        swiglu_dgrad_chunk(acc, saved, c, rows, weights, p.clamp, &d_gate, &d_up, row_partial);
+        swiglu_dgrad_chunk(acc, saved, c, rows, weights, p.clamp, &d_gate, &d_up, &weighted_act, row_partial);
       } else {
-        swiglu_dgrad_chunk(acc, saved, c, rows, weights, SwigluClamp{0.0f}, &d_gate, &d_up, row_partial);
+        swiglu_dgrad_chunk(acc, saved, c, rows, weights, SwigluClamp{0.0f}, &d_gate, &d_up, &weighted_act,
+                           row_partial);
       }
       emit(0, c, d_gate, -1);
       emit(1, c, d_up, -1);
+      if (p.out3 != nullptr) emit(2, c, weighted_act, -1);
     }
   }
   if constexpr (kMode == Mode::kSwigluDgrad) {
