@@ -132,8 +132,8 @@ def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down
     preactivations = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, True)[1:]
   gate, up = preactivations
   # dW_down contracts the hidden rows scaled by the router weights: bf16(w * act), with act from the bf16
-  # pre-activations, stored by the dgrad epilogue (an elementwise pass of its own, or tgmm scaling each stage in
-  # shared memory, cost a third more than that GEMM; fbbec6a profile).
+  # pre-activations, stored by the dgrad epilogue, which has act anyway. An XLA pass costs another trip over [R, I];
+  # tgmm scaling each stage in shared memory cost a third more than the GEMM (fbbec6a profile).
   dgrad_weights = jnp.ones(dy_rows.shape[:1], jnp.float32) if row_weights is None else row_weights
   d_gate, d_up, d_row_weights, weighted_act = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
   d_x_rows = layout.gmm(d_gate, w_gate, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
