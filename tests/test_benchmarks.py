@@ -118,6 +118,21 @@ def test_benchmark_tables_smoke(tmp_path):
         assert row["vs_dense"] > 0
 
 
+def test_layer_memory_smoke(tmp_path):
+  """layer_memory.py end to end on one tiny shape: every case gets XLA's memory analysis and, from the live-range
+  dump, the instructions around the peak and the largest buffers live there, the kernels' ones named."""
+  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_memory.py"), "--smoke", "--shapes", "smoke-a",
+                  "--out-dir", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True)
+  rows = json.loads((tmp_path / "layer_memory_smoke.json").read_text())["rows"]
+  assert [(r["layers"], r["recompute"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+  for row in rows:
+    assert "error" not in row, row
+    assert row["temp_bytes"] > 0 and row["peak_instruction"] in row["around_peak"]
+    sizes = [b["bytes"] for b in row["buffers"]]
+    assert sizes == sorted(sizes, reverse=True) and 0 < sum(sizes) <= row["live_peak_bytes"]
+    assert any("(jk_" in b["value"] for b in row["buffers"])
+
+
 def test_gemm_counters_cases_run(tmp_path):
   """Each case's launches (what ncu profiles on the GPU) run on the tiny shapes."""
   for case in _benchmark_module("gemm_counters").CASES:

@@ -1,0 +1,131 @@
+"""Where the peak device memory of a forward+backward sits: `moe_ffn(backend="kittens")` with recompute off and on,
+one layer and two stacked layers, on `layer.py`'s inputs (each model shape's single-GPU slice).
+
+Per case: XLA's compiled memory analysis (`common.peak_memory`, what `layer.py` reports), and from XLA's dump of the
+optimized module's buffer live ranges the instruction at the peak and the buffers live there, largest first, with
+the JAX ops that made them. One layer's peak shows where the backward is tight; two layers show what recompute is
+for, the residuals that one layer keeps while the other runs. Two layers have weights of their own, as in a model.
+
+  python3 benchmarks/layer_memory.py                   # on the H200: benchmarks/results/layer_memory_h200.json
+  python3 benchmarks/layer_memory.py --shapes qwen3.5  # some shapes
+  python3 benchmarks/layer_memory.py --smoke           # tiny shapes, any platform
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+# XLA reads its flags once, when the backend starts: the dump goes where this process says before jax is imported.
+DUMP_DIR = tempfile.mkdtemp(prefix="jk_layer_memory_")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_as_text"
+                           " --xla_dump_hlo_module_re=.*layer_memory.*").strip()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import common  # noqa: E402
+import layer  # noqa: E402
+
+LAYERS = (1, 2)
+LISTED_BUFFERS = 12  # per case, the largest buffers live at the peak
+
+
+def stacked_forward_backward(num_layers, recompute):
+  """g(x, weights, ids, *experts of each layer, d_y) -> gradients of x, the router weights and every expert weight
+  through ``num_layers`` kittens layers in a row (the same routing in each)."""
+  routed = layer.routed_layer("kittens", None, recompute=recompute)
+
+  def stack(x, weights, ids, *experts):
+    for n in range(num_layers):
+      x = routed(x, weights, ids, *experts[3 * n:3 * n + 3])
+    return x
+
+  differentiable = (0, 1, *range(3, 3 + 3 * num_layers))
+  return layer.forward_backward(stack, differentiable)
+
+
+def _dump(module_name: str, suffix: str) -> str:
+  paths = glob.glob(os.path.join(DUMP_DIR, f"*.{module_name}.*after_optimizations{suffix}"))
+  if len(paths) != 1:
+    raise RuntimeError(f"expected one *after_optimizations{suffix} of {module_name} in {DUMP_DIR}, found {paths}")
+  with open(paths[0]) as f:
+    return f.read()
+
+
+def live_range_peak(module_name: str) -> dict:
+  """The peak of XLA's live-range dump of ``module_name``: the instructions around it and the buffers live there,
+  each named with its custom call's target (jk_gmm_swiglu_dgrad, ...) where it has one."""
+  text = _dump(module_name, "-live-range.txt")
+  targets = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?custom_call_target=\"([^\"]+)\"",
+                            _dump(module_name, ".txt"), re.MULTILINE))
+  describe = lambda value: f"{value} ({targets[value.split('{')[0]]})" if value.split("{")[0] in targets else value
+  sequence = {int(i): name for i, name in re.findall(r"^ {4}(\d+):(\S+)$", text, re.MULTILINE)}
+  at = re.search(r"^ {2}Live ranges at (\d+) \(peak\):\n((?: {4}.*\n)*)", text, re.MULTILINE)
+  if at is None:
+    raise RuntimeError(f"no peak in the live-range dump of {module_name}")
+  peak = int(at.group(1))
+  buffers = [{"value": describe(value), "bytes": int(size)}
+             for value, size in re.findall(r"^ {4}(\S+): (\d+) bytes", at.group(2), re.MULTILINE)]
+  return {"live_peak_bytes": sum(b["bytes"] for b in buffers),
+          "peak_instruction": describe(sequence.get(peak, str(peak))),
+          "around_peak": [describe(sequence[i]) for i in range(peak - 3, peak + 4) if i in sequence],
+          "buffers": sorted(buffers, key=lambda b: -b["bytes"])[:LISTED_BUFFERS]}
+
+
+def measure_case(name, shape, num_tokens, num_layers, recompute):
+  inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
+  weights, ids = inputs["routings"]["uniform"]
+  experts = list(inputs["experts"])
+  for n in range(1, num_layers):  # weights of its own per layer
+    experts += [w * (1.0 + n / 8) for w in inputs["experts"]]
+  fn = stacked_forward_backward(num_layers, recompute)
+  module = f"layer_memory_{re.sub(r'[^a-z0-9]', '_', name)}_{num_layers}_{'recompute' if recompute else 'saved'}"
+  fn.__name__ = module
+  row = {"shape": name, "layers": num_layers, "recompute": recompute}
+  compiled = common.compile_fn(fn, inputs["xs"][0], weights, ids, *experts, inputs["d_y"])
+  row.update({f"{key}_bytes": size for key, size in common.peak_memory(compiled).items()})
+  row.update(live_range_peak(f"jit_{module}"))
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any platform")
+  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  parser.add_argument("--out-dir", default=None, help=f"default {common.RESULTS_DIR}; a temp dir with --smoke")
+  args = parser.parse_args()
+  shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
+  if args.shapes:
+    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
+  meta = common.metadata()
+  print(f"layer memory: {meta}", flush=True)
+  rows = [common.measure({"shape": name, "layers": num_layers, "recompute": recompute},
+                         lambda: measure_case(name, shape, num_tokens, num_layers, recompute))
+          for name, shape in shapes.items() for num_layers in LAYERS for recompute in (False, True)]
+  for row in rows:
+    print()
+    common.print_table([row], ("shape", "layers", "recompute", "peak_bytes", "temp_bytes", "live_peak_bytes",
+                               "peak_instruction", "error"))
+    print("  around the peak: " + ", ".join(row.get("around_peak", [])))
+    for buffer in row.get("buffers", []):
+      print(f"    {buffer['bytes']:>14,}  {buffer['value']}")
+  out_dir = args.out_dir or (os.path.join("/tmp", "jax_kittens_benchmarks") if args.smoke else common.RESULTS_DIR)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"layer_memory_{'smoke' if args.smoke else 'h200'}.json")
+  with open(path, "w") as f:
+    json.dump({**meta, "rows": rows}, f, indent=1)
+  print(f"wrote {path}")
+  shutil.rmtree(DUMP_DIR, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()
