@@ -53,10 +53,11 @@ def stacked_forward_backward(num_layers, recompute):
 
 
 def _dump(module_name: str, suffix: str) -> str:
-  paths = glob.glob(os.path.join(DUMP_DIR, f"*.{module_name}.*after_optimizations{suffix}"))
-  if len(paths) != 1:
-    raise RuntimeError(f"expected one *after_optimizations{suffix} of {module_name} in {DUMP_DIR}, found {paths}")
-  with open(paths[0]) as f:
+  """The dump of the optimized module; the last one if XLA compiled it more than once (module_NNNN counts up)."""
+  paths = sorted(glob.glob(os.path.join(DUMP_DIR, f"*.{module_name}.*after_optimizations{suffix}")))
+  if not paths:
+    raise RuntimeError(f"no *after_optimizations{suffix} of {module_name} in {DUMP_DIR}: {os.listdir(DUMP_DIR)[:8]}")
+  with open(paths[-1]) as f:
     return f.read()
 
 
