@@ -1,10 +1,11 @@
 """Where the peak device memory of a forward+backward sits: `moe_ffn(backend="kittens")` with recompute off and on,
-one layer and two stacked layers, on `layer.py`'s inputs (each model shape's single-GPU slice).
+one layer and two stacked layers, at `layer.py`'s sizes (each model shape's single-GPU slice).
 
 Per case: XLA's compiled memory analysis (`common.peak_memory`, what `layer.py` reports), and from XLA's dump of the
-optimized module's buffer live ranges the instruction at the peak and the buffers live there, largest first, with
-the JAX ops that made them. One layer's peak shows where the backward is tight; two layers show what recompute is
+optimized module's buffer live ranges the instructions around the peak and the buffers live there, largest first,
+each named with the kernel that wrote it where a kernel did. One layer's peak shows where the backward is tight; two layers show what recompute is
 for, the residuals that one layer keeps while the other runs. Two layers have weights of their own, as in a model.
+Only compiled, never run: the arguments are abstract.
 
   python3 benchmarks/layer_memory.py                   # on the H200: benchmarks/results/layer_memory_h200.json
   python3 benchmarks/layer_memory.py --shapes qwen3.5  # some shapes
@@ -82,19 +83,19 @@ def live_range_peak(module_name: str) -> dict:
 
 
 def measure_case(name, shape, num_tokens, num_layers, recompute):
-  inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
-  weights, ids = inputs["routings"]["uniform"]
-  experts = list(inputs["experts"])
-  for n in range(1, num_layers):  # weights of its own per layer
-    experts += [w * (1.0 + n / 8) for w in inputs["experts"]]
+  """Compiled for abstract arguments of the shape's single-GPU slice: nothing is allocated on the device."""
+  num_local_experts = shape.num_experts // common.GPUS_PER_NODE
+  h, i = shape.hidden, shape.intermediate
+  bf16 = lambda *dims: jax.ShapeDtypeStruct(dims, jax.numpy.bfloat16)
+  routing = (jax.ShapeDtypeStruct((num_tokens, shape.top_k), jax.numpy.float32),
+             jax.ShapeDtypeStruct((num_tokens, shape.top_k), jax.numpy.int32))
+  experts = (bf16(num_local_experts, h, i), bf16(num_local_experts, h, i), bf16(num_local_experts, i, h)) * num_layers
   fn = stacked_forward_backward(num_layers, recompute)
   module = f"layer_memory_{re.sub(r'[^a-z0-9]', '_', name)}_{num_layers}_{'recompute' if recompute else 'saved'}"
   fn.__name__ = module
-  row = {"shape": name, "layers": num_layers, "recompute": recompute}
-  compiled = common.compile_fn(fn, inputs["xs"][0], weights, ids, *experts, inputs["d_y"])
-  row.update({f"{key}_bytes": size for key, size in common.peak_memory(compiled).items()})
-  row.update(live_range_peak(f"jit_{module}"))
-  return row
+  compiled = common.compile_fn(fn, bf16(num_tokens, h), *routing, *experts, bf16(num_tokens, h))
+  return {**{f"{key}_bytes": size for key, size in common.peak_memory(compiled).items()},
+          **live_range_peak(f"jit_{module}")}
 
 
 def main():
