@@ -3,9 +3,9 @@ one layer and two stacked layers, at `layer.py`'s sizes (each model shape's sing
 
 Per case: XLA's compiled memory analysis (`common.peak_memory`, what `layer.py` reports), and from XLA's dump of the
 optimized module's buffer live ranges the instructions around the peak and the buffers live there, largest first,
-each named with the kernel that wrote it where a kernel did. One layer's peak shows where the backward is tight; two layers show what recompute is
-for, the residuals that one layer keeps while the other runs. Two layers have weights of their own, as in a model.
-Only compiled, never run: the arguments are abstract.
+each named with the kernel that wrote it where a kernel did. One layer's peak shows where the backward is tight;
+two layers show what recompute is for, the residuals that one layer keeps while the other runs. Two layers have
+weights of their own, as in a model. Only compiled, never run: the arguments are abstract.
 
   python3 benchmarks/layer_memory.py                   # on the H200: benchmarks/results/layer_memory_h200.json
   python3 benchmarks/layer_memory.py --shapes qwen3.5  # some shapes
