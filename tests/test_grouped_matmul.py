@@ -51,6 +51,14 @@ def data_rows_of(offsets, sizes):
   return [(g, r) for g in range(len(sizes)) for r in range(int(offsets[g]), int(offsets[g]) + int(sizes[g]))]
 
 
+def data_row_mask(offsets, sizes, rows):
+  """[rows] bool: True on data rows, False on padding and tail rows."""
+  is_data = np.zeros(rows, bool)
+  for _, r in data_rows_of(np.asarray(offsets), sizes):
+    is_data[r] = True
+  return is_data
+
+
 def gmm_oracle(lhs, rhs, offsets, sizes, transpose_rhs=False, lhs2=None, rhs2=None):
   lhs, rhs = f64(lhs), f64(rhs)
   if transpose_rhs:
@@ -94,9 +102,7 @@ def test_gmm_padded_layout(case, out_dtype):
   if np.any(ref):
     assert rel_err(out, ref) < BF16_TOL
   # Padding and tail rows are exactly 0.
-  is_data = np.zeros(rows, bool)
-  for _, r in data_rows_of(np.asarray(offsets), sizes):
-    is_data[r] = True
+  is_data = data_row_mask(offsets, sizes, rows)
   assert np.all(f64(out)[~is_data] == 0)
 
 
@@ -213,9 +219,7 @@ def test_gmm_swiglu_dgrad_matches_autodiff(limit):
   assert rel_err(d_gate, d_gate_ref) < BF16_TOL
   assert rel_err(d_up, d_up_ref) < BF16_TOL
   assert rel_err(d_weights, np.sum(g * act, axis=1)) < BF16_TOL
-  is_data = np.zeros(rows, bool)
-  for _, r in data_rows_of(np.asarray(offsets), sizes):
-    is_data[r] = True
+  is_data = data_row_mask(offsets, sizes, rows)
   assert rel_err(weighted_act, np.where(is_data[:, None], f64(row_weights)[:, None] * act, 0.0)) < BF16_TOL
   assert np.all(f64(d_weights)[~is_data] == 0) and np.all(f64(d_gate)[~is_data] == 0)
   assert np.all(f64(weighted_act)[~is_data] == 0)
@@ -465,9 +469,7 @@ def test_gpu_swiglu_and_dgrad(limit, inner):
   gate64, up64 = f64(gate), f64(up)
   act64 = swiglu64(gate64, up64, limit)
   assert rel_err(d_w, np.sum(g * f64(jnp.asarray(act64, jnp.bfloat16)), axis=1)) < 1e-2
-  is_data = np.zeros(rows, bool)
-  for _, r in data_rows_of(np.asarray(offsets), sizes):
-    is_data[r] = True
+  is_data = data_row_mask(offsets, sizes, rows)
   assert rel_err(weighted_act, np.where(is_data[:, None], f64(row_weights)[:, None] * act64, 0.0)) < 1e-2
   gate_c = np.minimum(gate64, limit) if limit else gate64
   up_c = np.clip(up64, -limit, limit) if limit else up64
