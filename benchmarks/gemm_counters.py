@@ -52,6 +52,12 @@ CASES = {
     "dense_down": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * i * h),
     "wgrad_down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
     "combine": ("regex:combine_kernel", lambda rows, h, i: 2 * rows * h),
+    # The backward's GEMMs over rows gathered beforehand, and reading them from the tokens through row_tokens.
+    "dgrad_rows": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
+    "dgrad_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
+    "wgrad_gate": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
+    "wgrad_gate_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
+    "wgrad_down_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
 }
 WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
@@ -74,16 +80,37 @@ def case_call(case, shape, num_tokens, routing):
   def random_bf16(seed, dims):
     return jax.random.normal(jax.random.key(seed), dims, jnp.float32).astype(jnp.bfloat16)
 
+  row_tokens = permute.row_tokens(sched.rows, num_rows)
+  dy = random_bf16(2, x.shape)  # the layer's output gradient, [T, H] in token order
   if case == "swiglu_rows":
     return jax.jit(grouped_matmul.gmm_swiglu), (permute.gather_rows(x, sched, num_rows), w_gate, w_up, *groups)
   if case == "swiglu_gathered":
     fn = lambda x, row_tokens, *rest: grouped_matmul.gmm_swiglu(x, *rest, row_tokens=row_tokens)  # noqa: E731
-    return jax.jit(fn), (x, permute.row_tokens(sched.rows, num_rows), w_gate, w_up, *groups)
+    return jax.jit(fn), (x, row_tokens, w_gate, w_up, *groups)
   if case == "down":
     return jax.jit(grouped_matmul.gmm), (random_bf16(1, (num_rows, shape.intermediate)), w_down, *groups)
-  if case == "wgrad_down":  # the backward's dW_down = act^T dy, contracting the ragged rows
-    act, dy = random_bf16(1, (num_rows, shape.intermediate)), random_bf16(2, (num_rows, shape.hidden))
-    return jax.jit(grouped_matmul.tgmm), (act, dy, *groups)
+  if case in ("wgrad_down", "wgrad_down_gathered"):  # the backward's dW_down = act^T dy, contracting the ragged rows
+    act = random_bf16(1, (num_rows, shape.intermediate))
+    if case == "wgrad_down":
+      return jax.jit(grouped_matmul.tgmm), (act, permute.gather_rows(dy, sched, num_rows), *groups)
+    def wgrad_down_gathered(act, dy, row_tokens, offsets, sizes):
+      return grouped_matmul.tgmm(act, dy, offsets, sizes, rhs_row_tokens=row_tokens)
+    return jax.jit(wgrad_down_gathered), (act, dy, row_tokens, *groups)
+  if case in ("wgrad_gate", "wgrad_gate_gathered"):  # dW_gate = x^T d_gate
+    d_gate = random_bf16(1, (num_rows, shape.intermediate))
+    if case == "wgrad_gate":
+      return jax.jit(grouped_matmul.tgmm), (permute.gather_rows(x, sched, num_rows), d_gate, *groups)
+    def wgrad_gate_gathered(x, d_gate, row_tokens, offsets, sizes):
+      return grouped_matmul.tgmm(x, d_gate, offsets, sizes, lhs_row_tokens=row_tokens)
+    return jax.jit(wgrad_gate_gathered), (x, d_gate, row_tokens, *groups)
+  if case in ("dgrad_rows", "dgrad_gathered"):  # dy @ w_down^T with the SwiGLU backward in the epilogue, as the layer
+    gate, up = random_bf16(3, (num_rows, shape.intermediate)), random_bf16(4, (num_rows, shape.intermediate))
+    row_weights = jax.random.uniform(jax.random.key(5), (num_rows,), jnp.float32)
+    def dgrad(dy, row_tokens, *operands):
+      return grouped_matmul.gmm_swiglu_dgrad(dy, *operands, row_tokens=row_tokens, save_weighted_act=True)
+    if case == "dgrad_rows":
+      return jax.jit(dgrad), (permute.gather_rows(dy, sched, num_rows), None, w_down, gate, up, row_weights, *groups)
+    return jax.jit(dgrad), (dy, row_tokens, w_down, gate, up, row_weights, *groups)
   if case == "combine":
     weights = inputs["routings"][routing][0].astype(jnp.float32)
     return jax.jit(permute.combine), (random_bf16(1, (num_rows, shape.hidden)), sched.rows, weights)

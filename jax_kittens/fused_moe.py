@@ -10,8 +10,10 @@ them with weight 1 in token order, so they need no gather): jk_gmm_swiglu + jk_g
 combine as its addend (no extra pass over y).
 
 Backward (`jax.custom_vjp`):
-  gather x and dy into rows, with the router weights scattered to rows (jk_moe_gather x2)
-  [recompute=True: gate/up again with jk_gmm_swiglu]
+  recompute=False: gather x and dy into rows, with the router weights scattered to rows (jk_moe_gather x2)
+  recompute=True: x and dy stay in token order, and every GEMM that contracts or multiplies them reads its rows through
+    the row -> token map, so no [R, H] copy of either is written; the router weights are scattered to rows (an XLA
+    scatter of T*k values); gate/up again with jk_gmm_swiglu
   -> down dgrad with the SwiGLU backward and the router-weight gradient in its epilogue (jk_gmm_swiglu_dgrad)
   -> dx rows = d_gate @ W_gate^T + d_up @ W_up^T in one grouped GEMM (jk_gmm with lhs2, rhs2; nothing concatenated)
   -> un-permute sum to tokens, shared experts' dx as the addend (jk_moe_combine)
@@ -20,7 +22,10 @@ Backward (`jax.custom_vjp`):
   experts' weight gradients contract one group of T rows: when that gives few output tiles, the rows are cut into
   slices contracted as separate groups (float32 partials, summed in slice order).
 ``recompute=False`` keeps the gate/up pre-activations from the forward ([R, I] bf16 each, R =
-``num_schedule_rows(T*k, E, ROW_ALIGN)``); ``recompute=True`` keeps only the inputs and the schedule.
+``num_schedule_rows(T*k, E, ROW_ALIGN)``) and is the faster; ``recompute=True`` keeps only the inputs and the schedule,
+and spends GEMM time for memory twice: the gate/up GEMM again, and the backward's GEMMs reading their rows through the
+map (a gathered tgmm operand cost 10-28% more a launch than rows gathered beforehand on the H200) in place of the two
+[R, H] row copies.
 
 All operands are bfloat16 with float32 accumulation; H, I (and the shared experts' Is) must be multiples of
 ``grouped_matmul.FEATURE_ALIGN``.
@@ -90,21 +95,21 @@ class _Layout:
   def gmm(self, lhs, rhs, **kwargs):
     return grouped_matmul.gmm(lhs, rhs, self.offsets, self.sizes, **kwargs)
 
-  def tgmm(self, lhs, rhs, out_dtype):
+  def tgmm(self, lhs, rhs, out_dtype, **row_tokens):
     slices = 1 if self.num_rows is None else _contraction_slices(self.num_rows, lhs.shape[1], rhs.shape[1])
     if slices == 1:
-      return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype)
+      return grouped_matmul.tgmm(lhs, rhs, self.offsets, self.sizes, out_dtype=out_dtype, **row_tokens)
     # Slices of whole k steps (FEATURE_ALIGN rows); the last takes the rest.
     step = -(-self.num_rows // slices // grouped_matmul.FEATURE_ALIGN) * grouped_matmul.FEATURE_ALIGN
     bounds = np.minimum(np.arange(slices + 1) * step, self.num_rows)
     partials = grouped_matmul.tgmm(lhs, rhs, jnp.asarray(bounds, jnp.int32), jnp.asarray(np.diff(bounds), jnp.int32),
-                                   out_dtype=jnp.float32)
+                                   out_dtype=jnp.float32, **row_tokens)
     # A chain of adds fixes the order of the sum (a reduce may be split differently by the compiler).
     return functools.reduce(jnp.add, list(partials)).astype(out_dtype)[None]
 
-  def dgrad(self, dy_rows, w_down, gate, up, row_weights, limit):
-    return grouped_matmul.gmm_swiglu_dgrad(dy_rows, w_down, gate, up, row_weights, self.offsets, self.sizes,
-                                           swiglu_limit=limit, save_weighted_act=True)
+  def dgrad(self, dy, w_down, gate, up, row_weights, limit, row_tokens=None):
+    return grouped_matmul.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, self.offsets, self.sizes,
+                                           row_tokens=row_tokens, swiglu_limit=limit, save_weighted_act=True)
 
 
 def _num_rows(ids, num_experts):
@@ -121,25 +126,26 @@ def _experts_forward(layout, x, w_gate, w_up, w_down, limit, save, row_tokens=No
   return layout.gmm(act, w_down), preactivations
 
 
-def _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down, preactivations, limit):
+def _experts_backward(layout, x, dy, row_weights, w_gate, w_up, w_down, preactivations, limit, row_tokens=None):
   """Gradients of the experts over rows: (d_x_rows [R, H], d_row_weights [R] f32, (dW_gate, dW_up, dW_down)).
 
-  dy_rows is the unweighted gradient of each row's token; row_weights [R] f32 scales it (the router weight of the
-  row), or None for weight 1 (the shared experts).
+  x, dy: [R, H] rows, or [T, H] tokens with row_tokens [R] (every GEMM reads its rows through the map). dy is the
+  unweighted gradient of each row's token; row_weights [R] f32 scales it (the router weight of the row), or None for
+  weight 1 (the shared experts).
   preactivations: the forward's (gate, up), or None to recompute them.
   """
   if preactivations is None:
-    preactivations = layout.gmm_swiglu(x_rows, w_gate, w_up, limit, True)[1:]
+    preactivations = layout.gmm_swiglu(x, w_gate, w_up, limit, True, row_tokens)[1:]
   gate, up = preactivations
   # dW_down contracts the hidden rows scaled by the router weights: bf16(w * act), with act from the bf16
   # pre-activations, stored by the dgrad epilogue, which has act anyway. An XLA pass costs another trip over [R, I];
   # tgmm scaling each stage in shared memory cost a third more than the GEMM (fbbec6a profile).
-  dgrad_weights = jnp.ones(dy_rows.shape[:1], jnp.float32) if row_weights is None else row_weights
-  d_gate, d_up, d_row_weights, weighted_act = layout.dgrad(dy_rows, w_down, gate, up, dgrad_weights, limit)
+  dgrad_weights = jnp.ones(gate.shape[:1], jnp.float32) if row_weights is None else row_weights
+  d_gate, d_up, d_row_weights, weighted_act = layout.dgrad(dy, w_down, gate, up, dgrad_weights, limit, row_tokens)
   d_x_rows = layout.gmm(d_gate, w_gate, transpose_rhs=True, lhs2=d_up, rhs2=w_up)
-  d_w_gate = layout.tgmm(x_rows, d_gate, w_gate.dtype)
-  d_w_up = layout.tgmm(x_rows, d_up, w_up.dtype)
-  d_w_down = layout.tgmm(weighted_act, dy_rows, w_down.dtype)
+  d_w_gate = layout.tgmm(x, d_gate, w_gate.dtype, lhs_row_tokens=row_tokens)
+  d_w_up = layout.tgmm(x, d_up, w_up.dtype, lhs_row_tokens=row_tokens)
+  d_w_down = layout.tgmm(weighted_act, dy, w_down.dtype, rhs_row_tokens=row_tokens)
   return d_x_rows, d_row_weights, (d_w_gate, d_w_up, d_w_down)
 
 
@@ -180,10 +186,16 @@ def _moe_bwd(limit, recompute, residuals, d_y):
   # recomputed gate/up next to the forward, and they stay alive through the other layers' work.
   x, d_y = jax.lax.optimization_barrier((x, d_y.astype(x.dtype)))
   num_rows = _num_rows(sched.rows, w_gate.shape[0])
-  x_rows, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
-  dy_rows = permute.gather_rows(d_y, sched, num_rows)
-  d_x_rows, d_row_weights, d_routed = _experts_backward(_Layout.of_schedule(sched), x_rows, dy_rows, row_weights,
-                                                        w_gate, w_up, w_down, preactivations, limit)
+  if preactivations is None:  # recompute=True: no [R, H] copies of x and dy
+    row_tokens = permute.row_tokens(sched.rows, num_rows)
+    row_weights = permute.rows_of_slots(weights.astype(jnp.float32), sched.rows, num_rows)
+    x_in, dy_in = x, d_y
+  else:
+    row_tokens = None
+    x_in, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
+    dy_in = permute.gather_rows(d_y, sched, num_rows)
+  d_x_rows, d_row_weights, d_routed = _experts_backward(_Layout.of_schedule(sched), x_in, dy_in, row_weights, w_gate,
+                                                        w_up, w_down, preactivations, limit, row_tokens)
   d_shared, d_x_shared = None, None
   if shared_experts is not None:
     d_x_shared, _, d_stacked = _experts_backward(_Layout.one_group(x.shape[0]), x, d_y, None,
@@ -212,7 +224,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     shared_experts: optional (w_gate [H, Is], w_up [H, Is], w_down [Is, H]) bfloat16, Is a multiple of FEATURE_ALIGN.
     swiglu_limit: optional clamp (gate <= limit, up in [-limit, limit]) before silu(gate) * up.
     axis_name: must be None here (expert parallelism is `jax_kittens.expert_parallel`).
-    recompute: keep only the inputs for the backward and recompute gate/up there (lower peak memory).
+    recompute: keep only the inputs for the backward, recompute gate/up there and read x and dy through the row ->
+      token map instead of copying them into rows (lower peak memory, more GEMM time).
     capacity_factor: must be None (it bounds expert-parallel receives).
     return_stats: also return a `MoEStats`.
 

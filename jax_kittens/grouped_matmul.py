@@ -65,16 +65,26 @@ def _check_groups(group_offsets, group_sizes, num_groups):
     raise ValueError(f"group_offsets must have shape [G+1={num_groups + 1}], got {tuple(group_offsets.shape)}")
 
 
-def _check_rows(name, x, rows):
-  if x.shape[0] != rows:
-    raise ValueError(f"{name} must have {rows} rows (as lhs / the row buffers), got shape {tuple(x.shape)}")
-
-
 def _check_out_dtype(out_dtype):
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in _OUT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
   return out_dtype
+
+
+def _gathered_rows(name, row_tokens, operand):
+  """(the row_tokens operand, R): ``operand`` is [R, C] rows when ``row_tokens`` is None (passed on as an empty [0]
+  array), or [T, C] tokens read through ``row_tokens`` [R] int32 (row r is ``operand[row_tokens[r]]``, zeros for a
+  token outside [0, T))."""
+  if row_tokens is None:
+    return jnp.zeros((0,), jnp.int32), operand.shape[0]
+  _check_array(name, row_tokens, 1, (jnp.int32,))
+  if row_tokens.shape[0] == 0:
+    raise ValueError(f"{name} must have at least one row (leave it None for no rows)")
+  if operand.shape[0] >= 2**31 or operand.size >= 2**35:  # the kernels address tokens in 32-bit counts of 16 bytes
+    raise ValueError(f"tokens read through {name} must have T < 2^31 and T * C < 2^35, got shape "
+                     f"{tuple(operand.shape)}")
+  return row_tokens, row_tokens.shape[0]
 
 
 def _limit_attr(swiglu_limit):
@@ -174,14 +184,7 @@ def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: 
   _check_feature("I", inner)
   _check_groups(group_offsets, group_sizes, num_groups)
   limit = _limit_attr(swiglu_limit)
-  if row_tokens is None:
-    rows = x.shape[0]
-    row_tokens = jnp.zeros((0,), jnp.int32)
-  else:
-    _check_array("row_tokens", row_tokens, 1, (jnp.int32,))
-    rows = row_tokens.shape[0]
-    if rows == 0:
-      raise ValueError("row_tokens must have at least one row (leave it None for no rows)")
+  row_tokens, rows = _gathered_rows("row_tokens", row_tokens, x)
   saved_rows = rows if save_preactivations else 0
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16),
@@ -191,9 +194,9 @@ def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: 
   return (act, gate, up) if save_preactivations else act
 
 
-def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.Array, row_weights: jax.Array,
-                     group_offsets: jax.Array, group_sizes: jax.Array, *, swiglu_limit: float | None = None,
-                     save_weighted_act: bool = False):
+def gmm_swiglu_dgrad(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.Array, row_weights: jax.Array,
+                     group_offsets: jax.Array, group_sizes: jax.Array, *, row_tokens: jax.Array | None = None,
+                     swiglu_limit: float | None = None, save_weighted_act: bool = False):
   """Down-projection dgrad with the SwiGLU backward and the router-weight gradient fused into the epilogue.
 
   With ``g = dy_rows[r] @ w_down[grp].T`` (float32) and ``act = bf16(swiglu(gate, up))`` (the forward's hidden):
@@ -202,11 +205,14 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
   The epilogue can also store ``weighted_act = bf16(row_weights[r] * act)``, the lhs of dW_down's `tgmm`.
 
   Args:
-    dy_rows: [R, H] bf16 gradient of the (unweighted) expert outputs' rows.
+    dy: [R, H] bf16 gradient of the (unweighted) expert outputs' rows ``dy_rows``, or with ``row_tokens`` [T, H] bf16
+      gradient of the tokens.
     w_down: [G, I, H] bf16.
     gate, up: [R, I] bf16 forward pre-activations (from ``gmm_swiglu(..., save_preactivations=True)``).
     row_weights: [R] float32 router weight of each row.
     group_offsets: [G+1] int32; group_sizes: [G] int32.
+    row_tokens: optional [R] int32 token of each row: ``dy_rows[r] = dy[row_tokens[r]]`` (zeros for a token outside
+      [0, T)), read by the kernel itself, as in `gmm_swiglu`.
     swiglu_limit: the forward's clamp.
     save_weighted_act: also return weighted_act.
 
@@ -214,16 +220,15 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
     (d_gate [R, I] bf16, d_up [R, I] bf16, d_row_weights [R] float32), then weighted_act [R, I] bf16 with
     ``save_weighted_act``; padding rows are 0.
   """
-  _check_array("dy_rows", dy_rows, 2)
+  _check_array("dy", dy, 2)
   _check_array("w_down", w_down, 3)
   _check_array("gate", gate, 2)
   _check_array("up", up, 2)
   _check_array("row_weights", row_weights, 1, (jnp.float32,))
   num_groups, inner, hidden = w_down.shape
-  rows = dy_rows.shape[0]
-  if dy_rows.shape[1] != hidden:
-    raise ValueError(f"dy_rows must have H={hidden} columns (w_down is [G, I, H]), got shape "
-                     f"{tuple(dy_rows.shape)}")
+  row_tokens, rows = _gathered_rows("row_tokens", row_tokens, dy)
+  if dy.shape[1] != hidden:
+    raise ValueError(f"dy must have H={hidden} columns (w_down is [G, I, H]), got shape {tuple(dy.shape)}")
   for name, x in (("gate", gate), ("up", up)):
     if x.shape != (rows, inner):
       raise ValueError(f"{name} must have shape [R={rows}, I={inner}], got {tuple(x.shape)}")
@@ -236,28 +241,37 @@ def gmm_swiglu_dgrad(dy_rows: jax.Array, w_down: jax.Array, gate: jax.Array, up:
                jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows,), jnp.float32),
                jax.ShapeDtypeStruct((rows if save_weighted_act else 0, inner), jnp.bfloat16))
-  outs = _extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy_rows, w_down, gate, up, row_weights, group_offsets,
-                             group_sizes, vmap_method="sequential", swiglu_limit=_limit_attr(swiglu_limit))
+  outs = _extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy, row_tokens, w_down, gate, up, row_weights,
+                             group_offsets, group_sizes, vmap_method="sequential",
+                             swiglu_limit=_limit_attr(swiglu_limit))
   return tuple(outs) if save_weighted_act else tuple(outs[:3])
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
-         out_dtype=jnp.float32) -> jax.Array:
-  """Grouped GEMM contracting the ragged row dim (weight gradients): ``out[g] = sum_r lhs[r]^T rhs[r]``.
+         out_dtype=jnp.float32, lhs_row_tokens: jax.Array | None = None,
+         rhs_row_tokens: jax.Array | None = None) -> jax.Array:
+  """Grouped GEMM contracting the ragged row dim (weight gradients): ``out[g] = sum_r lhs_rows[r]^T rhs_rows[r]``.
 
   Args:
-    lhs: [R, K] bf16.
-    rhs: [R, N] bf16.
+    lhs: [R, K] bf16 rows ``lhs_rows``, or with ``lhs_row_tokens`` [T, K] bf16 tokens.
+    rhs: [R, N] bf16 rows ``rhs_rows``, or with ``rhs_row_tokens`` [T, N] bf16 tokens.
     group_offsets: [G+1] int32; group_sizes: [G] int32; the sum runs over the data rows of group g.
     out_dtype: float32 (default) or bfloat16.
+    lhs_row_tokens, rhs_row_tokens: optional [R] int32 token of each row of one operand (not both):
+      ``lhs_rows[r] = lhs[lhs_row_tokens[r]]`` (zeros for a token outside [0, T)), read by the kernel itself.
 
   Returns:
     [G, K, N] out_dtype; groups without data rows give 0.
   """
   _check_array("lhs", lhs, 2)
   _check_array("rhs", rhs, 2)
-  rows, k = lhs.shape
-  _check_rows("rhs", rhs, rows)
+  if lhs_row_tokens is not None and rhs_row_tokens is not None:
+    raise ValueError("tgmm gathers at most one operand: pass lhs_row_tokens or rhs_row_tokens, not both")
+  lhs_row_tokens, rows = _gathered_rows("lhs_row_tokens", lhs_row_tokens, lhs)
+  rhs_row_tokens, rhs_rows = _gathered_rows("rhs_row_tokens", rhs_row_tokens, rhs)
+  if rhs_rows != rows:
+    raise ValueError(f"rhs must give R={rows} rows (as lhs), got {rhs_rows} (rhs shape {tuple(rhs.shape)})")
+  k = lhs.shape[1]
   _check_feature("lhs dim K", k)
   _check_feature("rhs dim N", rhs.shape[1])
   _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
@@ -265,8 +279,8 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((num_groups, k, rhs.shape[1]), out_dtype)
-  return _extension.ffi_call("jk_tgmm", out_type, lhs, rhs, group_offsets, group_sizes,
-                             vmap_method="sequential")
+  return _extension.ffi_call("jk_tgmm", out_type, lhs, lhs_row_tokens, rhs, rhs_row_tokens, group_offsets,
+                             group_sizes, vmap_method="sequential")
 
 
 # ---------------------------------------------------------------------------------------------------------------

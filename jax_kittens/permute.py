@@ -1,12 +1,14 @@
-"""Token <-> expert-major row permutations of the fused MoE pipeline: `gather_rows`, `combine` and `row_tokens`.
+"""Token <-> expert-major row permutations of the fused MoE pipeline: `gather_rows`, `combine`, `row_tokens`,
+`rows_of_slots` and `slots_of_rows`.
 
 Row layout: a `jax_kittens.Schedule` sends entry (t, j) of a [T, k] routing to row ``rows[t, j]`` of [R, H]
 expert-major buffers (``-1``: nowhere); expert e's data rows are ``[expert_offsets[e], expert_offsets[e] +
 tokens_per_expert[e])`` and every other row is padding.
 
-Each op is one FFI target: ``jk_moe_gather`` and ``jk_moe_combine``, CUDA kernels on GPU (kernels/moe_permute.cuh) and
-their CPU twins elsewhere (ffi/moe_permute.cc). Both are deterministic (no atomics). They are not differentiable on
-their own: `jax_kittens.fused_moe` uses each as the other's transpose in its VJP.
+`gather_rows` and `combine` are one FFI target each: ``jk_moe_gather`` and ``jk_moe_combine``, CUDA kernels on GPU
+(kernels/moe_permute.cuh) and their CPU twins elsewhere (ffi/moe_permute.cc). Both are deterministic (no atomics) and
+not differentiable on their own: `jax_kittens.fused_moe` uses `combine` as the transpose of its row reads in its VJP,
+whether the rows were gathered by `gather_rows` or read from the tokens through `row_tokens` by the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -120,21 +122,36 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
                              poison_outputs=bool(poison_outputs))
 
 
-def row_tokens(rows: jax.Array, num_rows: int) -> jax.Array:
-  """The token of each expert-major row: ``out[rows[t, j]] = t``, -1 for padding rows.
+def rows_of_slots(slot_values: jax.Array, rows: jax.Array, num_rows: int, *, fill=0) -> jax.Array:
+  """Per-slot values to expert-major rows: ``out[rows[t, j]] = slot_values[t, j]``, ``fill`` in the rows no slot is
+  placed in (padding). The transpose of `slots_of_rows`.
 
-  rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] int32, the row -> token map with which
-  `grouped_matmul.gmm_swiglu` reads its rows straight from the tokens. One scatter of T*k indices (XLA).
+  slot_values: [T, k]; rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] slot_values.dtype. One XLA scatter
+  of T*k values (each row takes at most one slot, so the order of the writes does not matter).
   """
   _check_array("rows", rows, 2)
   if rows.dtype != jnp.int32:
     raise TypeError(f"rows must be int32, got {rows.dtype}")
+  _check_array("slot_values", slot_values, 2)
+  if slot_values.shape != rows.shape:
+    raise ValueError(f"slot_values must have the routing's shape [T, k] = {tuple(rows.shape)}, got "
+                     f"{tuple(slot_values.shape)}")
   _check_num_rows(num_rows)
-  num_tokens, top_k = rows.shape
-  tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, top_k))
   # Slots placed nowhere (-1) go past the end, where mode="drop" discards them.
   targets = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)
-  return jnp.full((num_rows,), -1, jnp.int32).at[targets.ravel()].set(tokens.ravel(), mode="drop")
+  return jnp.full((num_rows,), fill, slot_values.dtype).at[targets.ravel()].set(slot_values.ravel(), mode="drop")
+
+
+def row_tokens(rows: jax.Array, num_rows: int) -> jax.Array:
+  """The token of each expert-major row: ``out[rows[t, j]] = t``, -1 for padding rows.
+
+  rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] int32, the row -> token map through which the grouped
+  GEMMs read rows straight from the tokens (`grouped_matmul`'s ``row_tokens`` arguments).
+  """
+  _check_array("rows", rows, 2)
+  num_tokens, top_k = rows.shape
+  tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, top_k))
+  return rows_of_slots(tokens, rows, num_rows, fill=-1)
 
 
 def slots_of_rows(row_values: jax.Array, rows: jax.Array) -> jax.Array:

@@ -81,7 +81,9 @@ with jax.default_device(gpu):
   sched = routing.schedule(layer["ids"], E, align=gm.ROW_ALIGN, backend="kittens")
   num_rows = routing.num_schedule_rows(layer["ids"].size, E, gm.ROW_ALIGN)
   x_rows, row_weights = permute.gather_rows(layer["x"], sched, num_rows, weights=layer["weights"])
-  dy_rows = permute.gather_rows(jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16), sched, num_rows)
+  dy = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+  dy_rows = permute.gather_rows(dy, sched, num_rows)
+  row_tokens = permute.row_tokens(sched.rows, num_rows)
   off, siz = sched.expert_offsets, sched.tokens_per_expert
 print(f"R={num_rows} offsets[-1]={int(off[-1])} sizes={np.asarray(siz)}", flush=True)
 state = {}
@@ -101,6 +103,13 @@ def dgrad():
   report("dgrad d_row_weights", g[2][:, None], c[2][:, None], off, siz)
   state["d_gate"], state["d_up"] = c[0], c[1]
 
+  def dgrad_gathered(dy, row_tokens, *operands):
+    return gm.gmm_swiglu_dgrad(dy, *operands, row_tokens=row_tokens)
+
+  g, _ = both(dgrad_gathered, dy, row_tokens, layer["w_down"], state["gate"], state["up"], row_weights, off, siz)
+  for n, a, b in zip(("dgrad gathered d_gate", "dgrad gathered d_up"), g[:2], c[:2]):
+    report(n, a, b, off, siz)
+
 
 def dx_rhs2():
   def gmm_dx(d_gate, w_gate, offsets, sizes, d_up, w_up):
@@ -118,6 +127,14 @@ def tgmms():
     report(f"tgmm dW_gate {jnp.dtype(out_dtype)}", g, c)
   g, c = both(gm.tgmm, jax.device_put(state["act"], gpu), dy_rows, off, siz)
   report("tgmm dW_down", g, c)
+
+  def tgmm_gathered(lhs, rhs, row_tokens, offsets, sizes, operand):
+    return gm.tgmm(lhs, rhs, offsets, sizes, out_dtype=jnp.bfloat16, **{f"{operand}_row_tokens": row_tokens})
+
+  g, c = both(tgmm_gathered, layer["x"], jax.device_put(state["d_gate"], gpu), row_tokens, off, siz, operand="lhs")
+  report("tgmm dW_gate, x gathered", g, c)
+  g, c = both(tgmm_gathered, jax.device_put(state["act"], gpu), dy, row_tokens, off, siz, operand="rhs")
+  report("tgmm dW_down, dy gathered", g, c)
 
 
 def whole_layer():

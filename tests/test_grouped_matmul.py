@@ -161,10 +161,9 @@ def test_gmm_swiglu(limit):
   np.testing.assert_array_equal(f64(act_only), f64(act))
 
 
-def gathered_operands(rng, sizes, num_tokens, rows):
-  """row_tokens [rows] for the aligned layout of sizes: data rows take random tokens (one out of range, which reads
+def gathered_operands(rng, offsets, sizes, num_tokens, rows):
+  """row_tokens [rows] for the layout (offsets, sizes): data rows take random tokens (one out of range, which reads
   as zeros), padding rows -1 or junk; and the [rows] indices that gather x into the same rows (num_tokens: zeros)."""
-  offsets, _ = aligned_layout(sizes, gm.ROW_ALIGN, rows)
   row_tokens = np.where(rng.random(rows) < 0.5, -1, rng.integers(0, 10 * num_tokens, rows)).astype(np.int32)
   for _, r in data_rows_of(np.asarray(offsets), sizes):
     row_tokens[r] = rng.integers(0, num_tokens)
@@ -172,6 +171,11 @@ def gathered_operands(rng, sizes, num_tokens, rows):
   row_tokens[first_data_row] = num_tokens + 5
   gather_index = np.where((row_tokens >= 0) & (row_tokens < num_tokens), row_tokens, num_tokens)
   return jnp.asarray(row_tokens), gather_index
+
+
+def gather(tokens, gather_index):
+  """tokens [T, C] -> rows [len(gather_index), C]: index T reads as zeros."""
+  return jnp.concatenate([tokens, jnp.zeros((1, tokens.shape[1]), tokens.dtype)])[gather_index]
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -182,8 +186,8 @@ def test_gmm_swiglu_gathered_equals_rows(save):
   offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
   x = bf16(rng, num_tokens, 128)
   w_gate, w_up = bf16(rng, 4, 128, 192, scale=0.1), bf16(rng, 4, 128, 192, scale=0.1)
-  row_tokens, gather_index = gathered_operands(rng, sizes, num_tokens, rows)
-  x_rows = jnp.concatenate([x, jnp.zeros((1, 128), x.dtype)])[gather_index]
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  x_rows = gather(x, gather_index)
   run = functools.partial(gm.gmm_swiglu, save_preactivations=save, swiglu_limit=1.5)
   for out, ref in zip(jax.tree.leaves(run(x, w_gate, w_up, offsets, group_sizes, row_tokens=row_tokens)),
                       jax.tree.leaves(run(x_rows, w_gate, w_up, offsets, group_sizes))):
@@ -227,6 +231,44 @@ def test_gmm_swiglu_dgrad_matches_autodiff(limit):
   for out, ref in zip(gm.gmm_swiglu_dgrad(dy, w_down, gate, up, row_weights, offsets, group_sizes, swiglu_limit=limit),
                       (d_gate, d_up, d_weights)):
     np.testing.assert_array_equal(f64(out), f64(ref))
+
+
+def test_gmm_swiglu_dgrad_gathered_equals_rows():
+  """row_tokens: the same bits as the dgrad over dy rows gathered beforehand (zeros for tokens out of range)."""
+  rng = np.random.default_rng(23)
+  sizes, rows, num_tokens, inner, hidden = [40, 130, 0, 9], 520, 90, 128, 192
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  gate, up, dy = bf16(rng, rows, inner), bf16(rng, rows, inner), bf16(rng, num_tokens, hidden)
+  w_down = bf16(rng, 4, inner, hidden, scale=0.1)
+  row_weights = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  run = functools.partial(gm.gmm_swiglu_dgrad, swiglu_limit=1.0, save_weighted_act=True)
+  got = run(dy, w_down, gate, up, row_weights, offsets, group_sizes, row_tokens=row_tokens)
+  want = run(gather(dy, gather_index), w_down, gate, up, row_weights, offsets, group_sizes)
+  for out, ref in zip(got, want):
+    np.testing.assert_array_equal(f64(out), f64(ref))
+
+
+@pytest.mark.parametrize("operand", ["lhs", "rhs"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_tgmm_gathered_equals_rows(operand, out_dtype):
+  """lhs_row_tokens / rhs_row_tokens: the same bits as tgmm over rows gathered beforehand, on groups that start
+  anywhere (tgmm needs no alignment) and junk rows after the last one."""
+  rng = np.random.default_rng(24)
+  sizes, num_tokens = [33, 0, 150, 1], 70
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+  rows = sum(sizes) + 20
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  tokens = bf16(rng, num_tokens, 128 if operand == "lhs" else 192)
+  other = bf16(rng, rows, 192 if operand == "lhs" else 128).at[sum(sizes):].set(jnp.nan)
+  operands = (tokens, other) if operand == "lhs" else (other, tokens)
+  rows_operands = (gather(tokens, gather_index), other) if operand == "lhs" else (other, gather(tokens, gather_index))
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  got = gm.tgmm(*operands, offsets, group_sizes, out_dtype=out_dtype, **{f"{operand}_row_tokens": row_tokens})
+  want = gm.tgmm(*rows_operands, offsets, group_sizes, out_dtype=out_dtype)
+  assert got.shape == (4, 128, 192) and got.dtype == out_dtype
+  np.testing.assert_array_equal(f64(got), f64(want))
+  assert np.all(f64(got)[1] == 0) and np.any(f64(got)[2] != 0)
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -353,6 +395,18 @@ def test_argument_errors():
     gm.gmm_swiglu(x, w, w, offsets, sizes, row_tokens=jnp.zeros((4,), jnp.float32))
   with pytest.raises(ValueError, match="row_tokens must have at least one row"):
     gm.gmm_swiglu(x, w, w, offsets, sizes, row_tokens=jnp.zeros((0,), jnp.int32))
+  tokens = jnp.zeros((128,), jnp.int32)
+  with pytest.raises(ValueError, match="gate must have shape"):
+    gm.gmm_swiglu_dgrad(x, w, x[:100], x[:100], jnp.zeros((100,), jnp.float32), offsets, sizes, row_tokens=tokens)
+  with pytest.raises(ValueError, match="not both"):
+    gm.tgmm(x, x, offsets, sizes, lhs_row_tokens=tokens, rhs_row_tokens=tokens)
+  with pytest.raises(ValueError, match="rhs must give R=100 rows"):
+    gm.tgmm(x, x, offsets, sizes, lhs_row_tokens=tokens[:100])
+  with pytest.raises(TypeError, match="rhs_row_tokens must be int32"):
+    gm.tgmm(x, x, offsets, sizes, rhs_row_tokens=tokens.astype(jnp.float32))
+  huge = jax.ShapeDtypeStruct((2**29, 64), jnp.bfloat16)  # traced only: 2^35 elements
+  with pytest.raises(ValueError, match="T \\* C < 2\\^35"):
+    jax.eval_shape(lambda t: gm.tgmm(t, x, offsets, sizes, lhs_row_tokens=tokens), huge)
   with pytest.raises(ValueError, match="backend"):
     gm.ragged_dot(x, w, sizes, backend="cuda")
 
@@ -437,16 +491,22 @@ def test_gpu_gmm_outputs_fully_written(transpose_rhs, n, k2):
   assert np.all(f64(out)[int(offsets[-1]):] == 0)
 
 
+def gpu_groups(rng, empty, tail_rows):
+  """16 groups of 0-899 rows, group `empty` empty, on the aligned layout with tail_rows rows after the last:
+  (sizes, rows, group_offsets, group_sizes)."""
+  sizes = rng.integers(0, 900, 16).astype(np.int32)
+  sizes[empty] = 0
+  rows = int(((sizes + 127) // 128 * 128).sum()) + tail_rows
+  return (sizes, rows, *aligned_layout(sizes, gm.ROW_ALIGN, rows))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inner", [1024, 1216])  # 1216: swiglu pairs 10 blocks (the last half full), dgrad has 5
 @pytest.mark.parametrize("limit", [None, 7.0])
 def test_gpu_swiglu_and_dgrad(limit, inner):
   rng = np.random.default_rng(12)
   groups, hidden = 16, 2048
-  sizes = rng.integers(0, 900, groups).astype(np.int32)
-  sizes[0] = 0
-  rows = int(((sizes + 127) // 128 * 128).sum()) + 128
-  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  sizes, rows, offsets, group_sizes = gpu_groups(rng, empty=0, tail_rows=128)
   x = bf16(rng, rows, hidden)
   w_gate, w_up = bf16(rng, groups, hidden, inner, scale=4 * hidden ** -0.5), bf16(rng, groups, hidden, inner,
                                                                                    scale=4 * hidden ** -0.5)
@@ -490,14 +550,11 @@ def test_gpu_swiglu_gathered_equals_rows(save, inner):
   two, each CTA gathering half the lines (inner 1216: 10 n blocks), and alone (1088: 9)."""
   rng = np.random.default_rng(22)
   groups, hidden, num_tokens = 16, 2048, 3000
-  sizes = rng.integers(0, 900, groups).astype(np.int32)
-  sizes[3] = 0
-  rows = int(((sizes + 127) // 128 * 128).sum()) + 100
-  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  sizes, rows, offsets, group_sizes = gpu_groups(rng, empty=3, tail_rows=100)
   x = bf16(rng, num_tokens, hidden)
   w_gate, w_up = (bf16(rng, groups, hidden, inner, scale=4 * hidden ** -0.5) for _ in range(2))
-  row_tokens, gather_index = gathered_operands(rng, sizes, num_tokens, rows)
-  x_rows = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[gather_index]
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  x_rows = gather(x, gather_index)
   fn = jax.jit(functools.partial(gm.gmm_swiglu, save_preactivations=save))
   want = jax.tree.leaves(fn(x_rows, w_gate, w_up, offsets, group_sizes))
   fn(x, w_gate, w_up, offsets, group_sizes, row_tokens=row_tokens)  # compile first
@@ -546,3 +603,66 @@ def test_gpu_tgmm(k, n, out_dtype):
       assert np.all(np.asarray(out[g]) == 0)
     else:
       assert rel_err(out[g], ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", [1024, 1216])  # 4 n blocks: clusters of two, each CTA gathering half; 5: alone
+def test_gpu_dgrad_gathered_equals_rows(inner):
+  """The dgrad's cp.async gather of dy gives the same bits as TMA loads of dy rows gathered beforehand."""
+  rng = np.random.default_rng(25)
+  groups, hidden, num_tokens = 16, 2048, 3000
+  sizes, rows, offsets, group_sizes = gpu_groups(rng, empty=5, tail_rows=100)
+  dy = bf16(rng, num_tokens, hidden)
+  gate, up = bf16(rng, rows, inner), bf16(rng, rows, inner)
+  w_down = bf16(rng, groups, inner, hidden, scale=inner ** -0.5)
+  row_weights = jnp.asarray(rng.uniform(0.1, 1, rows), jnp.float32)
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  fn = jax.jit(functools.partial(gm.gmm_swiglu_dgrad, save_weighted_act=True))
+  want = fn(gather(dy, gather_index), w_down, gate, up, row_weights, offsets, group_sizes)
+  fn(dy, w_down, gate, up, row_weights, offsets, group_sizes, row_tokens=row_tokens)  # compile first
+  poison_device_memory(3 * rows * inner * 2)
+  got = fn(dy, w_down, gate, up, row_weights, offsets, group_sizes, row_tokens=row_tokens)
+  for out, ref in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  g = gmm_gpu_reference(gather(dy, gather_index), jnp.swapaxes(w_down, 1, 2), offsets, sizes)
+  act = f64(jnp.asarray(swiglu64(f64(gate), f64(up), None), jnp.bfloat16))
+  assert rel_err(want[2], np.sum(g * act, axis=1)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,k,n,out_dtype", [
+    # 4 n blocks: clusters, each CTA gathering and forwarding half the lhs; K = 1088: the last m block's second half
+    # lies past the tokens' columns (zeros, as from a TMA box)
+    ("lhs", 1088, 1024, jnp.bfloat16),
+    ("lhs", 2048, 576, jnp.float32),    # 3: alone
+    ("rhs", 1024, 1408, jnp.bfloat16),  # 6, the last half full: clusters, each CTA gathering its own rhs
+    ("rhs", 960, 576, jnp.bfloat16),    # 3, the last a quarter full: alone
+])
+def test_gpu_tgmm_gathered_equals_rows(operand, k, n, out_dtype):
+  """tgmm's cp.async gather of either operand (a contraction row's 64 columns per line) gives the same bits as TMA
+  loads of the rows gathered beforehand, on unaligned groups with NaN rows after the last one in the other operand."""
+  rng = np.random.default_rng(26)
+  groups, num_tokens = 12, 5000
+  sizes = rng.integers(0, 2000, groups).astype(np.int32)
+  sizes[1] = 0
+  rows = int(sizes.sum()) + 50
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+  row_tokens, gather_index = gathered_operands(rng, offsets, sizes, num_tokens, rows)
+  tokens = bf16(rng, num_tokens, k if operand == "lhs" else n)
+  other = bf16(rng, rows, n if operand == "lhs" else k).at[rows - 50:].set(jnp.nan)
+  token_rows = gather(tokens, gather_index)
+  operands, rows_operands = ((tokens, other), (token_rows, other)) if operand == "lhs" else ((other, tokens),
+                                                                                             (other, token_rows))
+  fn = jax.jit(functools.partial(gm.tgmm, out_dtype=out_dtype))
+  group_sizes = jnp.asarray(sizes)
+  want = fn(*rows_operands, offsets, group_sizes)
+  gathered = {f"{operand}_row_tokens": row_tokens}
+  fn(*operands, offsets, group_sizes, **gathered).block_until_ready()  # compile first
+  poison_device_memory(groups * k * n * jnp.dtype(out_dtype).itemsize)
+  got = fn(*operands, offsets, group_sizes, **gathered)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.all(np.asarray(got[1], np.float32) == 0)
+  begin, size = int(offsets[2]), int(sizes[2])
+  lhs_rows, rhs_rows = rows_operands
+  ref = jnp.dot(lhs_rows[begin:begin + size].T, rhs_rows[begin:begin + size], preferred_element_type=jnp.float32)
+  assert rel_err(got[2], ref) < 1e-2

@@ -47,6 +47,30 @@ void row_product(const uint16_t* lhs_row, const WeightView& w, int32_t n0, int32
   row_product(lhs_row, w, nullptr, WeightView{nullptr, 0, w.n, w.transposed}, n0, n1, acc);
 }
 
+// Row r of an operand: x [R, C] itself, or with row_tokens (not empty) row row_tokens[r] of tokens x [T, C], zeros
+// for a token outside [0, T): the kernels' gathered operands.
+class OperandRows {
+ public:
+  OperandRows(ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::S32>& row_tokens)
+      : data_(x.typed_data()),
+        row_tokens_(row_tokens.element_count() != 0 ? row_tokens.typed_data() : nullptr),
+        num_tokens_(x.dimensions()[0]),
+        cols_(x.dimensions()[1]),
+        zeros_(cols_, 0) {}
+
+  const uint16_t* operator()(int64_t r) const {
+    if (row_tokens_ == nullptr) return data_ + r * cols_;
+    const int32_t token = row_tokens_[r];
+    return token >= 0 && token < num_tokens_ ? data_ + token * cols_ : zeros_.data();
+  }
+
+ private:
+  const uint16_t* data_;
+  const int32_t* row_tokens_;
+  int64_t num_tokens_, cols_;
+  std::vector<uint16_t> zeros_;
+};
+
 GroupLayout layout_of(ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& sizes, int64_t groups, int64_t rows) {
   return {offsets.typed_data(), sizes.typed_data(), static_cast<int32_t>(groups), static_cast<int32_t>(rows)};
 }
@@ -137,13 +161,7 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
                                           w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
                                           offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
-  // The lhs row of buffer row r: x[r], or with row_tokens x[row_tokens[r]] (zeros for a token out of range).
-  const std::vector<uint16_t> zeros(s.hidden, 0);
-  auto lhs_row = [&](int64_t r) -> const uint16_t* {
-    if (!s.gathered) return x.typed_data() + r * s.hidden;
-    const int32_t token = row_tokens.typed_data()[r];
-    return token >= 0 && token < s.tokens ? x.typed_data() + token * s.hidden : zeros.data();
-  };
+  const OperandRows lhs_row(x, row_tokens);
   SwigluClamp clamp{swiglu_limit};
   uint16_t* outputs[3] = {act->typed_data(), s.save_preactivations ? gate_out->typed_data() : nullptr,
                           s.save_preactivations ? up_out->typed_data() : nullptr};
@@ -176,17 +194,19 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
   return ffi::Error::Success();
 }
 
-ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate,
-                             ffi::Buffer<ffi::BF16> up, ffi::Buffer<ffi::F32> row_weights,
-                             ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                             ffi::ResultBuffer<ffi::BF16> d_gate, ffi::ResultBuffer<ffi::BF16> d_up,
-                             ffi::ResultBuffer<ffi::F32> d_row_weights, ffi::ResultBuffer<ffi::BF16> weighted_act,
-                             float swiglu_limit) {
+ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> row_tokens,
+                             ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
+                             ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
+                             ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
+                             ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
+                             ffi::ResultBuffer<ffi::BF16> weighted_act, float swiglu_limit) {
   gg::DgradShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
-                                         row_weights.element_count(), weighted_act->dimensions(),
-                                         offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
+                                         gate.dimensions(), up.dimensions(), row_weights.element_count(),
+                                         weighted_act->dimensions(), offsets.element_count(), sizes.element_count(),
+                                         &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
+  const OperandRows dy_row(dy, row_tokens);
   SwigluClamp clamp{swiglu_limit};
   uint16_t* outputs[3] = {d_gate->typed_data(), d_up->typed_data(),
                           s.save_weighted_act ? weighted_act->typed_data() : nullptr};
@@ -201,8 +221,8 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
       [&](int64_t r, int32_t grp, int32_t n0, int32_t n1, int32_t n_block) {
         // w_down[grp] is [I, H]: as the [K = H, N = I] operand it is transposed.
-        row_product(dy.typed_data() + r * s.hidden,
-                    {w_down.typed_data() + grp * s.inner * s.hidden, s.hidden, s.inner, true}, n0, n1, g.data());
+        row_product(dy_row(r), {w_down.typed_data() + grp * s.inner * s.hidden, s.hidden, s.inner, true}, n0, n1,
+                    g.data());
         float weight = row_weights.typed_data()[r];
         float partial = 0.0f;
         for (int32_t c = n0; c < n1; ++c) {
@@ -232,16 +252,19 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w
   return ffi::Error::Success();
 }
 
-ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> offsets,
-                   ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tokens, ffi::Buffer<ffi::BF16> rhs,
+                   ffi::Buffer<ffi::S32> rhs_row_tokens, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                   ffi::Result<ffi::AnyBuffer> out) {
   gg::TgmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), out->dimensions(),
-                                        offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
+                                        rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
+                                        sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
   void* o = out->untyped_data();
   poison(o, type, out->element_count());
+  const OperandRows lhs_row(lhs, lhs_row_tokens), rhs_row(rhs, rhs_row_tokens);
   GroupLayout layout = layout_of(offsets, sizes, s.groups, s.rows);
   constexpr int kM = gg::kTileRows, kN = gg::kTileCols;
   std::vector<float> acc(kM * kN);
@@ -251,8 +274,8 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> rhs, ffi::
     int32_t m1 = std::min<int32_t>(tile.m0 + kM, s.k), n1 = std::min<int32_t>(tile.n0 + kN, s.n);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t r = tile.row0; r < tile.row0 + tile.valid; ++r) {
-      const uint16_t* a = lhs.typed_data() + r * s.k;
-      const uint16_t* b = rhs.typed_data() + r * s.n;
+      const uint16_t* a = lhs_row(r);
+      const uint16_t* b = rhs_row(r);
       for (int32_t m = tile.m0; m < m1; ++m) {
         float a_m = bf16_bits_to_float(a[m]);
         float* acc_row = acc.data() + (m - tile.m0) * kN;

@@ -107,10 +107,10 @@ cudaLaunchConfig_t launch_config(unsigned grid, int cluster_size, cudaStream_t s
 
 // One persistent CTA per SM (cluster per co-resident group of SMs), at most one per tile. Clusters of two when the
 // n-block count is even: the scheduler then pairs the two n blocks of each (group, m block).
-template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT, int kCluster, sm90::Gathered kGathered>
 ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps, const sm90::Params& params,
                                int64_t max_tiles) {
-  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>;
+  auto kernel = sm90::grouped_gemm_kernel<kMode, kBMnMajor, OutT, kCluster, kGathered>;
   // Once per device (both cost more than a launch): the 4-stage ring's opt-in to more than the default 48 KB of
   // dynamic shared memory, then the count of co-resident clusters (the GPCs' SM counts can leave SMs over).
   constexpr int kMaxDevices = 64;
@@ -134,7 +134,7 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
 }
 
 // The tile queue's counter comes from XLA's scratch memory, zeroed on the stream.
-template <sm90::Mode kMode, bool kBMnMajor, typename OutT, bool kGatherLhs = false>
+template <sm90::Mode kMode, bool kBMnMajor, typename OutT, sm90::Gathered kGathered = sm90::Gathered::kNone>
 ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm90::TensorMaps& maps,
                   sm90::Params params, int64_t max_tiles, int64_t n_blocks) {
   if (max_tiles <= 0) return ffi::Error::Success();
@@ -143,9 +143,9 @@ ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm9
   params.tile_counter = static_cast<int32_t*>(*counter);
   JK_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream));
   if (n_blocks % 2 != 0) {
-    return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGatherLhs>(stream, maps, params, max_tiles);
+    return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGathered>(stream, maps, params, max_tiles);
   }
-  return launch_with_cluster<kMode, kBMnMajor, OutT, 2, kGatherLhs>(stream, maps, params, max_tiles);
+  return launch_with_cluster<kMode, kBMnMajor, OutT, 2, kGathered>(stream, maps, params, max_tiles);
 }
 
 // Upper bound on gmm-type tiles (the device computes the exact count): every pseudo-group may add a partial tile.
@@ -166,6 +166,19 @@ ffi::Error check_features(const char* op, std::initializer_list<int64_t> dims) {
   for (int64_t d : dims) {
     JK_FFI_CHECK(d % 64 == 0, std::string(op) + ": feature dims must be multiples of 64");
   }
+  return ffi::Error::Success();
+}
+
+// A gathered operand: the rows of tokens [num_tokens, cols] that row_tokens [R] picks (see "Gathered operands"),
+// addressed in 32-bit counts of 16-byte chunks.
+ffi::Error set_gathered(const char* op, const void* tokens, int64_t num_tokens, int64_t cols,
+                        const int32_t* row_tokens, sm90::Params* p) {
+  JK_FFI_CHECK(num_tokens < (int64_t{1} << 31) && num_tokens * cols / 8 < (int64_t{1} << 32),
+               std::string(op) + ": a gathered operand [T, C] must have T < 2^31 and T * C < 2^35");
+  p->tokens = static_cast<const uint16_t*>(tokens);
+  p->row_tokens = row_tokens;
+  p->num_tokens = static_cast<int32_t>(num_tokens);
+  p->token_chunks = static_cast<uint32_t>(cols / 8);
   return ffi::Error::Success();
 }
 
@@ -235,12 +248,8 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   p.out3 = s.save_preactivations ? up_out->typed_data() : nullptr;
   p.clamp = {swiglu_limit};
   if (s.gathered) {
-    // The gathered loads address x in 32-bit counts of 16-byte chunks.
-    JK_FFI_CHECK(s.tokens < (int64_t{1} << 31) && s.tokens * s.hidden / 8 < (int64_t{1} << 32),
-                 "jk_gmm_swiglu: x [T, H] with row_tokens must have T < 2^31 and T * H < 2^35");
-    p.tokens = x.typed_data();
-    p.row_tokens = row_tokens.typed_data();
-    p.num_tokens = static_cast<int32_t>(s.tokens);
+    JK_FFI_RETURN_IF_ERROR(
+        set_gathered("jk_gmm_swiglu", x.untyped_data(), s.tokens, s.hidden, row_tokens.typed_data(), &p));
   } else {
     JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, x.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   }
@@ -252,20 +261,23 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kSwigluTileCols);
   int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
-  return s.gathered ? launch<M::kSwiglu, true, uint16_t, true>(stream, scratch, maps, p, tiles, n_blocks)
+  using G = sm90::Gathered;
+  return s.gathered ? launch<M::kSwiglu, true, uint16_t, G::kLhs>(stream, scratch, maps, p, tiles, n_blocks)
                     : launch<M::kSwiglu, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
 }
 
 ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,
-                              ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
+                              ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_down,
+                              ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
                               ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
                               ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
                               ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
                               ffi::ResultBuffer<ffi::BF16> weighted_act, float swiglu_limit) {
   gg::DgradShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), w_down.dimensions(), gate.dimensions(), up.dimensions(),
-                                         row_weights.element_count(), weighted_act->dimensions(),
-                                         offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
+                                         gate.dimensions(), up.dimensions(), row_weights.element_count(),
+                                         weighted_act->dimensions(), offsets.element_count(), sizes.element_count(),
+                                         &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
   if (s.rows == 0) return ffi::Error::Success();
@@ -274,11 +286,16 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float));
   JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
   sm90::TensorMaps maps{};
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
   // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
+  if (s.gathered) {
+    JK_FFI_RETURN_IF_ERROR(
+        set_gathered("jk_gmm_swiglu_dgrad", dy.untyped_data(), s.tokens, s.hidden, row_tokens.typed_data(), &p));
+  } else {
+    JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, dy.untyped_data(), s.rows, s.hidden, kLhsBoxRows));
+  }
   p.k_steps1 = static_cast<int32_t>(s.hidden / sm90::kBlockK);
   p.out = d_gate->untyped_data();
   p.out2 = d_up->typed_data();
@@ -291,8 +308,11 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
   if (s.save_weighted_act) JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[2], p.out3, s.rows, s.inner));
-  JK_FFI_RETURN_IF_ERROR((launch<sm90::Mode::kSwigluDgrad, false, uint16_t>(
-      stream, scratch, maps, p, row_tile_bound(s.rows, s.groups, n_blocks), n_blocks)));
+  const int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
+  constexpr sm90::Mode kDgrad = sm90::Mode::kSwigluDgrad;
+  JK_FFI_RETURN_IF_ERROR(
+      (s.gathered ? launch<kDgrad, false, uint16_t, sm90::Gathered::kLhs>(stream, scratch, maps, p, tiles, n_blocks)
+                  : launch<kDgrad, false, uint16_t>(stream, scratch, maps, p, tiles, n_blocks)));
   constexpr int kThreads = 256;
   sm90::sum_row_weight_partials<<<static_cast<unsigned>(gg::ceil_div(s.rows, kThreads)), kThreads, 0, stream>>>(
       p.row_weight_partials, static_cast<int32_t>(n_blocks), s.rows, d_row_weights->typed_data());
@@ -300,12 +320,25 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   return ffi::Error::Success();
 }
 
+// tgmm's kernels for its output type: none, or one operand gathered.
+template <typename OutT>
+ffi::Error launch_tgmm(cudaStream_t stream, ffi::ScratchAllocator& scratch, const gg::TgmmShape& s,
+                       const sm90::TensorMaps& maps, const sm90::Params& p, int64_t tiles, int64_t n_blocks) {
+  using G = sm90::Gathered;
+  constexpr sm90::Mode kTgmm = sm90::Mode::kTgmm;
+  if (s.lhs_gathered) return launch<kTgmm, true, OutT, G::kLhs>(stream, scratch, maps, p, tiles, n_blocks);
+  if (s.rhs_gathered) return launch<kTgmm, true, OutT, G::kRhs>(stream, scratch, maps, p, tiles, n_blocks);
+  return launch<kTgmm, true, OutT>(stream, scratch, maps, p, tiles, n_blocks);
+}
+
 ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> lhs,
-                    ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+                    ffi::Buffer<ffi::S32> lhs_row_tokens, ffi::Buffer<ffi::BF16> rhs,
+                    ffi::Buffer<ffi::S32> rhs_row_tokens, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
                     ffi::Result<ffi::AnyBuffer> out) {
   gg::TgmmShape s;
-  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), rhs.dimensions(), out->dimensions(),
-                                        offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
+                                        rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
+                                        sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
@@ -318,16 +351,26 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buf
     return ffi::Error::Success();
   }
   sm90::TensorMaps maps{};
-  // Both operands MN-major: 64 contraction rows x 64 features per box.
-  JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k, 64));
-  JK_FFI_RETURN_IF_ERROR(chunked_map(&maps.b, rhs.untyped_data(), 1, s.rows, s.n, gg::kTileCols / 64));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.n, &p));
+  // Both operands MN-major: 64 contraction rows x 64 features per box (or gathered line by line).
+  if (s.lhs_gathered) {
+    JK_FFI_RETURN_IF_ERROR(
+        set_gathered("jk_tgmm", lhs.untyped_data(), s.lhs_tokens, s.k, lhs_row_tokens.typed_data(), &p));
+  } else {
+    JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k, 64));
+  }
+  if (s.rhs_gathered) {
+    JK_FFI_RETURN_IF_ERROR(
+        set_gathered("jk_tgmm", rhs.untyped_data(), s.rhs_tokens, s.n, rhs_row_tokens.typed_data(), &p));
+  } else {
+    JK_FFI_RETURN_IF_ERROR(chunked_map(&maps.b, rhs.untyped_data(), 1, s.rows, s.n, gg::kTileCols / 64));
+  }
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
-  if (type == ffi::F32) return launch<sm90::Mode::kTgmm, true, float>(stream, scratch, maps, p, tiles, n_blocks);
+  if (type == ffi::F32) return launch_tgmm<float>(stream, scratch, s, maps, p, tiles, n_blocks);
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, sm90::kStoreRows));
-  return launch<sm90::Mode::kTgmm, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
+  return launch_tgmm<uint16_t>(stream, scratch, s, maps, p, tiles, n_blocks);
 }
 
 }  // namespace

@@ -35,6 +35,12 @@ inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_
   return ffi::Error::Success();
 }
 
+// A gathered operand's rows: row_tokens [R] picks rows of tokens [T, *]; without it (empty) the operand is [R, *].
+inline ffi::Error gathered_rows(const char* message, int64_t operand_rows, int64_t row_tokens_count, int64_t rows) {
+  JK_FFI_CHECK(row_tokens_count != 0 ? row_tokens_count == rows : operand_rows == rows, message);
+  return ffi::Error::Success();
+}
+
 // jk_gmm_swiglu: x [R, H] rows, or x [T, H] tokens with row_tokens [R] (gathered); w_gate, w_up [G, H, I]; act
 // [R, I]; gate/up outputs [R, I] or [0, I] when not saved.
 struct SwigluShape {
@@ -54,54 +60,69 @@ inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_co
   JK_FFI_CHECK(offsets_count == w_gate[0] + 1 && sizes_count == w_gate[0],
                "jk_gmm_swiglu: group_offsets [G+1], group_sizes [G]");
   const int64_t rows = act[0];
-  const bool gathered = row_tokens_count != 0;
-  JK_FFI_CHECK(gathered ? row_tokens_count == rows : x[0] == rows,
-               "jk_gmm_swiglu: row_tokens must be [R] (x [T, H] tokens), or empty with x [R, H] rows");
+  JK_FFI_RETURN_IF_ERROR(gathered_rows(
+      "jk_gmm_swiglu: row_tokens must be [R] (x [T, H] tokens), or empty with x [R, H] rows", x[0],
+      row_tokens_count, rows));
   JK_FFI_CHECK(act[1] == w_gate[2], "jk_gmm_swiglu: act must be [R, I]");
   JK_FFI_CHECK((saved[0] == rows || saved[0] == 0) && saved[1] == w_gate[2],
                "jk_gmm_swiglu: saved gate/up must be [R, I] or [0, I]");
-  *shape = {rows, x[0], w_gate[1], w_gate[2], w_gate[0], gathered, saved[0] != 0};
+  *shape = {rows, x[0], w_gate[1], w_gate[2], w_gate[0], row_tokens_count != 0, saved[0] != 0};
   return ffi::Error::Success();
 }
 
-// jk_gmm_swiglu_dgrad: dy_rows [R, H] x w_down [G, I, H]^T; gate, up [R, I]; row_weights [R]; the weighted act
-// output [R, I], or [0, I] when not saved.
+// jk_gmm_swiglu_dgrad: g = dy_rows @ w_down[G, I, H]^T with dy [R, H] rows, or dy [T, H] tokens and row_tokens [R]
+// (gathered); gate, up [R, I]; row_weights [R]; the weighted act output [R, I], or [0, I] when not saved.
 struct DgradShape {
-  int64_t rows, hidden, inner, groups;
-  bool save_weighted_act;
+  int64_t rows, tokens, hidden, inner, groups;
+  bool gathered, save_weighted_act;
 };
 
-inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, ffi::Span<const int64_t> w_down,
+inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, int64_t row_tokens_count, ffi::Span<const int64_t> w_down,
                               ffi::Span<const int64_t> gate, ffi::Span<const int64_t> up, int64_t row_weights_count,
                               ffi::Span<const int64_t> weighted_act, int64_t offsets_count, int64_t sizes_count,
                               DgradShape* shape) {
   JK_FFI_CHECK(dy.size() == 2 && w_down.size() == 3 && gate.size() == 2 && up.size() == 2,
-               "jk_gmm_swiglu_dgrad: dy_rows, gate, up 2-D; w_down 3-D");
-  JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy_rows columns must be H (w_down [G, I, H])");
-  JK_FFI_CHECK(gate[0] == dy[0] && gate[1] == w_down[1] && up[0] == dy[0] && up[1] == w_down[1],
+               "jk_gmm_swiglu_dgrad: dy, gate, up 2-D; w_down 3-D");
+  JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy columns must be H (w_down [G, I, H])");
+  const int64_t rows = gate[0];
+  JK_FFI_CHECK(gate[1] == w_down[1] && up[0] == rows && up[1] == w_down[1],
                "jk_gmm_swiglu_dgrad: gate and up must be [R, I]");
-  JK_FFI_CHECK(row_weights_count == dy[0], "jk_gmm_swiglu_dgrad: row_weights must be [R]");
-  JK_FFI_CHECK(weighted_act.size() == 2 && (weighted_act[0] == dy[0] || weighted_act[0] == 0) &&
+  JK_FFI_RETURN_IF_ERROR(gathered_rows(
+      "jk_gmm_swiglu_dgrad: row_tokens must be [R] (dy [T, H] tokens), or empty with dy [R, H] rows", dy[0],
+      row_tokens_count, rows));
+  JK_FFI_CHECK(row_weights_count == rows, "jk_gmm_swiglu_dgrad: row_weights must be [R]");
+  JK_FFI_CHECK(weighted_act.size() == 2 && (weighted_act[0] == rows || weighted_act[0] == 0) &&
                    weighted_act[1] == w_down[1],
                "jk_gmm_swiglu_dgrad: weighted_act must be [R, I] or [0, I]");
   JK_FFI_CHECK(offsets_count == w_down[0] + 1 && sizes_count == w_down[0],
                "jk_gmm_swiglu_dgrad: group_offsets [G+1], group_sizes [G]");
-  *shape = {dy[0], w_down[2], w_down[1], w_down[0], weighted_act[0] != 0};
+  *shape = {rows, dy[0], w_down[2], w_down[1], w_down[0], row_tokens_count != 0, weighted_act[0] != 0};
   return ffi::Error::Success();
 }
 
-// jk_tgmm: lhs [R, K], rhs [R, N] -> out [G, K, N].
+// jk_tgmm: lhs [R, K], rhs [R, N] -> out [G, K, N]. Either operand may instead be tokens [T, *] gathered through
+// its row_tokens [R] (not both).
 struct TgmmShape {
   int64_t rows, k, n, groups;
+  int64_t lhs_tokens, rhs_tokens;  // the operands' own rows (T when gathered)
+  bool lhs_gathered, rhs_gathered;
 };
 
-inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> rhs, ffi::Span<const int64_t> out,
-                             int64_t offsets_count, int64_t sizes_count, TgmmShape* shape) {
+inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, int64_t lhs_row_tokens_count, ffi::Span<const int64_t> rhs,
+                             int64_t rhs_row_tokens_count, ffi::Span<const int64_t> out, int64_t offsets_count,
+                             int64_t sizes_count, TgmmShape* shape) {
   JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 2 && out.size() == 3, "jk_tgmm: lhs, rhs 2-D; out 3-D");
-  JK_FFI_CHECK(rhs[0] == lhs[0], "jk_tgmm: lhs and rhs must have the same rows");
+  JK_FFI_CHECK(lhs_row_tokens_count == 0 || rhs_row_tokens_count == 0,
+               "jk_tgmm: at most one of lhs_row_tokens and rhs_row_tokens");
+  const int64_t rows = lhs_row_tokens_count != 0 ? lhs_row_tokens_count
+                                                 : (rhs_row_tokens_count != 0 ? rhs_row_tokens_count : lhs[0]);
+  JK_FFI_RETURN_IF_ERROR(gathered_rows("jk_tgmm: lhs must have the rows (or its row_tokens)", lhs[0],
+                                       lhs_row_tokens_count, rows));
+  JK_FFI_RETURN_IF_ERROR(gathered_rows("jk_tgmm: rhs must have the rows (or its row_tokens)", rhs[0],
+                                       rhs_row_tokens_count, rows));
   JK_FFI_CHECK(out[1] == lhs[1] && out[2] == rhs[1], "jk_tgmm: out must be [G, K, N]");
   JK_FFI_CHECK(offsets_count == out[0] + 1 && sizes_count == out[0], "jk_tgmm: group_offsets [G+1], group_sizes [G]");
-  *shape = {lhs[0], lhs[1], rhs[1], out[0]};
+  *shape = {rows, lhs[1], rhs[1], out[0], lhs[0], rhs[0], lhs_row_tokens_count != 0, rhs_row_tokens_count != 0};
   return ffi::Error::Success();
 }
 
@@ -145,6 +166,7 @@ template <typename Binding>
 auto gmm_swiglu_dgrad_signature(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
@@ -162,7 +184,9 @@ template <typename Binding>
 auto tgmm_signature(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::BF16>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>();

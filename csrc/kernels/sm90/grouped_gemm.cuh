@@ -20,9 +20,10 @@
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
 //    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
 //    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
-//  - gmm_swiglu may read its lhs straight from the tokens through a row -> token map (kGatherLhs): producer warps
-//    then copy the lhs lines with cp.async, and in a cluster each CTA copies one half and forwards it to the peer by
-//    a bulk copy between the CTAs' shared memory (see "Gathered lhs").
+//  - An operand may come straight from the tokens through a row -> token map (kGathered): the lhs of gmm_swiglu and
+//    of the dgrad, either operand of tgmm. Producer warps then copy its lines with cp.async; a gathered lhs in a
+//    cluster is copied half by each CTA and forwarded to the peer by a bulk copy between the CTAs' shared memory (see
+//    "Gathered operands").
 //  - Every mbarrier wait but the tile queue's and the tile ring's pops has a 20 s deadline (then __trap), so a broken
 //    pipeline fails the launch instead of hanging (the pops wait on a thread whose own waits have one).
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
@@ -72,6 +73,10 @@ constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* align
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
+// Which operand the producer copies from the tokens through row_tokens instead of loading it by TMA: the lhs
+// (gmm_swiglu, dgrad, tgmm) or the rhs (tgmm).
+enum class Gathered : int { kNone = 0, kLhs = 1, kRhs = 2 };
+
 enum class Mode : int {
   kGmm = 0,          // out = lhs @ rhs (+ lhs2 @ rhs2: k steps k_steps1.. run over the second pair)
   kSwiglu = 1,       // act = swiglu(lhs @ w_gate, lhs @ w_up) (+ saved gate, up)
@@ -93,11 +98,12 @@ struct Params {
   const float* row_weights;    // dgrad
   float* row_weight_partials;  // dgrad: [n blocks, R]
   SwigluClamp clamp;
-  // swiglu with a gathered lhs: row r of the lhs is token row_tokens[r] of tokens [num_tokens, K] (a token outside
+  // A gathered operand: its row r is token row_tokens[r] of tokens [num_tokens, 8 * token_chunks] (a token outside
   // [0, num_tokens) reads as zeros).
   const uint16_t* tokens;
   const int32_t* row_tokens;  // [R]
   int32_t num_tokens;
+  uint32_t token_chunks;  // 16-byte chunks of a token row
   int32_t* tile_counter;  // zeroed before the launch: claims past each cluster's first tile
 };
 
@@ -223,17 +229,18 @@ struct TileQueue {
   uint32_t base;
   uint32_t index = 0;
 
-  // The count of the empty barriers: per CTA, the producer's reader warps (with a gathered lhs all 4, else thread 0).
-  static constexpr int readers(bool gathered_lhs) { return kCluster * (gathered_lhs ? 4 : 1); }
+  // The count of the empty barriers: per CTA, the producer's reader warps (with a gathered operand all 4, else
+  // thread 0).
+  static constexpr int readers(bool gathered) { return kCluster * (gathered ? 4 : 1); }
 
   __device__ uint32_t full(uint32_t slot) const { return base + 8 * slot; }
   __device__ uint32_t empty(uint32_t slot) const { return base + 8 * (kTileSlots + slot); }
   __device__ uint32_t pair_at(uint32_t slot) const { return base + 16 * kTileSlots + 4 * slot; }
 
-  __device__ void init(bool gathered_lhs) const {
+  __device__ void init(bool gathered) const {
     for (uint32_t slot = 0; slot < kTileSlots; ++slot) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full(slot)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty(slot)), "r"(readers(gathered_lhs))
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty(slot)), "r"(readers(gathered))
                    : "memory");
     }
   }
@@ -270,7 +277,7 @@ struct TileQueue {
   }
 
   // Every reader: the next claimed pair. kWholeWarp: all 32 lanes call it and lane 0 arrives for them; otherwise
-  // a lone thread (producer thread 0 without a gathered lhs) arrives for itself. No deadline, as the tile ring's
+  // a lone thread (producer thread 0 without a gathered operand) arrives for itself. No deadline, as the tile ring's
   // pop (below): the fetcher publishes every index up to the one past the last tile, unless one of its own waits
   // traps first.
   template <bool kWholeWarp>
@@ -465,79 +472,101 @@ __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Gathered lhs (gmm_swiglu straight from the tokens): Hopper's TMA cannot follow a row map, so producer threads copy
-// the stage's lhs lines (64 K values of one token each) with cp.async, 16 bytes per copy, to where the 128-byte
-// swizzle puts them: the layout a TMA box gives. Each gathering thread copies chunk t % 8 of 8 lines, so one warp
-// instruction moves four whole lines; the rhs still comes by TMA from thread 0, whose arrival on the stage's full
-// barrier carries the transaction bytes.
-//  - Alone (kCluster = 1) the whole producer warpgroup copies the 128 lines, and each thread's copies arrive on the
-//    stage's full barrier when they land (noinc: the barrier's count includes the 128 threads).
-//  - In a cluster of two (the CTAs share the tile's rows, as with a TMA lhs) warps 0-1 copy this CTA's 64-line half
-//    and arrive on the stage's `landed` barrier. Warp 2 (the forwarder) waits for it and sends the half on to the same
-//    offset of the peer's stage by one shared::cluster bulk copy, whose bytes complete there on the peer's full
-//    barrier; then it arrives on its own full barrier for the half. So each CTA reads half the lhs bytes from L2 and
-//    issues half the copies, as the multicast halves of a TMA lhs do.
+// Gathered operands (straight from the tokens): Hopper's TMA cannot follow a row map, so producer threads copy the
+// operand's lines with cp.async, 16 bytes per copy, to where the 128-byte swizzle puts them: the layout a TMA box
+// gives. A line is 64 values of one token row: for a K-major lhs (gmm_swiglu, dgrad) a tile row's k step, for tgmm's
+// MN-major operands one contraction row's 64 columns of a sub-tile. Each gathering thread copies chunk t % 8 of its
+// lines, so one warp instruction moves four whole lines; the other operand still comes by TMA from thread 0, whose
+// arrival on the stage's full barrier carries the transaction bytes.
+//  - Alone (kCluster = 1), or a gathered rhs (tgmm's own 256 columns, never shared), the whole producer warpgroup
+//    copies the lines, and each thread's copies arrive on the stage's full barrier when they land (noinc: the
+//    barrier's count includes the 128 threads).
+//  - A gathered lhs in a cluster of two (the CTAs share it, as with a TMA lhs): warps 0-1 copy this CTA's 64-line
+//    half and arrive on the stage's `landed` barrier. Warp 2 (the forwarder) waits for it and sends the half on to
+//    the same offset of the peer's stage by one shared::cluster bulk copy, whose bytes complete there on the peer's
+//    full barrier; then it arrives on its own full barrier for the half. So each CTA reads half the lhs bytes from
+//    L2 and issues half the copies, as the multicast halves of a TMA lhs do.
+// A K-major line's token is fixed for the tile, so the thread looks its 8 tokens up once per tile. tgmm's lines are
+// the k step's contraction rows, each the same row in every sub-tile: the thread looks up its 4 (8 in a cluster)
+// rows' tokens per k step, before it waits for the stage.
 
-constexpr int kGatherLinesPerThread = 8;
-
-template <int kCluster>
+template <Mode kMode, Gathered kGathered, int kCluster>
 struct Gather {
-  static constexpr int kLines = kBlockM / kCluster;                                    // this CTA's lines of a stage
-  static constexpr int kThreads = kLines * (kLineBytes / 16) / kGatherLinesPerThread;  // 128 alone, 64 in a cluster
-  static constexpr int kForwarderWarp = kThreads / 32;                             // in a cluster
-  static constexpr int kFullArrivals = kCluster == 1 ? 1 + kThreads : 2;           // thread 0, the copies / forwarder
-  static constexpr uint32_t kFullBytes = kCluster == 1 ? kBBytes : kBBytes + kSubTileBytes;  // the peer's half
-  static_assert(kCluster == 1 || (kCluster == 2 && kLines * kLineBytes == kSubTileBytes), "a half is one sub-tile");
-};
+  static constexpr bool kRhs = kGathered == Gathered::kRhs;
+  static constexpr bool kMnMajor = kMode == Mode::kTgmm;
+  static constexpr bool kForwards = !kRhs && kCluster > 1;
+  static constexpr int kLines = kRhs ? kBBytes / kLineBytes : kBlockM / kCluster;  // this CTA's lines of a stage
+  static constexpr int kLinesPerThread = kRhs ? 16 : 8;
+  static constexpr int kThreads = kLines * (kLineBytes / 16) / kLinesPerThread;  // 128, or 64 forwarding
+  static constexpr int kLineStride = kThreads / 8;                               // between a thread's lines
+  // Token rows per thread: a K-major line is one, tgmm's lines repeat the 64 contraction rows in each sub-tile.
+  static constexpr int kRows = kMnMajor ? kBlockK / kLineStride : kLinesPerThread;
+  static constexpr int kForwarderWarp = kThreads / 32;
+  static constexpr int kFullArrivals = kForwards ? 2 : 1 + kThreads;  // thread 0, and the copies or the forwarder
+  static constexpr uint32_t kFullBytes = kRhs ? kABytes : (kForwards ? kBBytes + kSubTileBytes : kBBytes);
+  static constexpr uint32_t kStageOffset = kRhs ? kABytes : 0;  // the operand's place in a stage
+  static_assert(!kForwards || (kCluster == 2 && kLines * kLineBytes == kSubTileBytes), "a half is one sub-tile");
+  static_assert(kMnMajor || kLineStride * kLinesPerThread == kLines, "K-major: one line per row");
 
-// Where each of the thread's lines of a tile starts in x, in 16-byte chunks (32 bits: the producer has 40
-// registers), and which lines read as zeros: rows without data and tokens out of range.
-struct GatherLines {
-  uint32_t first_chunk[kGatherLinesPerThread];
-  uint32_t zero_mask;  // bit i: line i is zeros
-};
-
-// Line i of gathering thread `thread` in CTA `rank`: its half's line thread / 8 + i * (threads / 8).
-template <int kCluster>
-__device__ __forceinline__ int gather_line(uint32_t rank, int thread, int i) {
-  return static_cast<int>(rank) * Gather<kCluster>::kLines + thread / 8 + (Gather<kCluster>::kThreads / 8) * i;
-}
-
-template <int kCluster>
-__device__ __forceinline__ GatherLines gather_lines(const Params& p, const Tile& tile, uint32_t rank, int thread) {
-  GatherLines lines;
-  lines.zero_mask = 0;
-  const uint32_t row_chunks = static_cast<uint32_t>(p.k_steps1) * (kBlockK / 8);
-#pragma unroll
-  for (int i = 0; i < kGatherLinesPerThread; ++i) {
-    const int line = gather_line<kCluster>(rank, thread, i);
-    const int32_t token = line < tile.valid ? p.row_tokens[tile.row0 + line] : -1;
-    const bool zeros = token < 0 || token >= p.num_tokens;
-    lines.first_chunk[i] = zeros ? 0u : static_cast<uint32_t>(token) * row_chunks;
-    lines.zero_mask |= static_cast<uint32_t>(zeros) << i;
+  // The operand's line of the thread's line 0 (this CTA's half first when forwarding); line i is kLineStride * i
+  // further.
+  __device__ static int first_line(uint32_t rank, int thread) {
+    return (kForwards ? static_cast<int>(rank) * kLines : 0) + thread / 8;
   }
-  return lines;
+};
+
+// Where each of the thread's token rows starts in the tokens, in 16-byte chunks (32 bits: the producer has 40
+// registers), and which read as zeros: rows without data and tokens out of range.
+template <int kRows>
+struct GatherRows {
+  uint32_t first_chunk[kRows];
+  uint32_t zero_mask;  // bit i: row i is zeros
+};
+
+// Rows first + step * i (i < kRows) of the tile, counted from tile.row0; those from tile.valid on have no data.
+template <int kRows>
+__device__ __forceinline__ GatherRows<kRows> gather_rows(const Params& p, const Tile& tile, int32_t first,
+                                                          int32_t step) {
+  GatherRows<kRows> rows;
+  rows.zero_mask = 0;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int32_t row = first + step * i;
+    const int32_t token = row < tile.valid ? p.row_tokens[tile.row0 + row] : -1;
+    const bool zeros = token < 0 || token >= p.num_tokens;
+    rows.first_chunk[i] = zeros ? 0u : static_cast<uint32_t>(token) * p.token_chunks;
+    rows.zero_mask |= static_cast<uint32_t>(zeros) << i;
+  }
+  return rows;
 }
 
-// The thread's copies of k step ks, arriving on `landed` (the stage's full barrier when alone) as they land.
-template <int kCluster>
-__device__ __forceinline__ void gather_lhs(const Params& p, const GatherLines& lines, int32_t ks, uint32_t rank,
-                                           int thread, uint8_t* a_smem, uint64_t* landed) {
+// The thread's copies of one k step, arriving on `barrier` as they land. Line i comes from row i % kRows at 16-byte
+// chunk `column` (the k step's, or the thread's first sub-tile's) plus 8 per sub-tile, i / kRows, and goes to line
+// first_line + kLineStride * i of the operand at `operand` (shared-memory address). tgmm's last m or n block may reach
+// past the token rows' columns (K or N a multiple of 64, not of the tile): such sub-tiles read zeros, as from a TMA
+// box, with a source inside the tokens (no byte of it is read).
+template <class G>
+__device__ __forceinline__ void gather_copies(const Params& p, const GatherRows<G::kRows>& rows, uint32_t column,
+                                              uint32_t operand, int first_line, int thread, uint64_t* barrier) {
   const int chunk = thread % 8;
-  // The k step's chunk of token 0; a line's source is first_chunk 16-byte units further, one wide multiply-add
+  // The column's chunk of token 0; a line's source is first_chunk 16-byte units further, one wide multiply-add
   // (written in PTX: left to itself the compiler re-associates the sum into four instructions per line).
-  const uint64_t k_chunk = reinterpret_cast<uint64_t>(p.tokens) + 16 * static_cast<uint64_t>(ks * (kBlockK / 8) + chunk);
-  const uint32_t a_addr = cute::cast_smem_ptr_to_uint(a_smem);
+  const uint64_t column_chunk = reinterpret_cast<uint64_t>(p.tokens) + 16 * static_cast<uint64_t>(column + chunk);
+  // A thread's lines are 8 apart, so they share the swizzle's row phase.
+  const uint32_t swizzled = (chunk ^ (first_line & 7)) << 4;
 #pragma unroll
-  for (int i = 0; i < kGatherLinesPerThread; ++i) {
-    const int line = gather_line<kCluster>(rank, thread, i);
-    const uint32_t dst = a_addr + line * kLineBytes + ((chunk ^ (line & 7)) << 4);
-    const uint32_t src_bytes = (lines.zero_mask >> i) & 1 ? 0 : 16;  // a source size of 0 fills with zeros
+  for (int i = 0; i < G::kLinesPerThread; ++i) {
+    const int row = i % G::kRows;
+    const uint32_t dst = operand + (first_line + G::kLineStride * i) * kLineBytes + swizzled;
+    const bool outside = G::kMnMajor && column + 8 * (i / G::kRows) >= p.token_chunks;
+    const uint32_t src_bytes = outside || ((rows.zero_mask >> row) & 1) ? 0 : 16;  // a source size of 0: zeros
+    const uint64_t sub_tile_chunk = column_chunk + 128 * (i / G::kRows);
     uint64_t src;
-    asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(src) : "r"(lines.first_chunk[i]), "l"(k_chunk));
+    asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(src) : "r"(rows.first_chunk[row]), "l"(sub_tile_chunk));
+    if (outside) src = reinterpret_cast<uint64_t>(p.tokens);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
   }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(landed))
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(cute::cast_smem_ptr_to_uint(barrier))
                : "memory");
 }
 
@@ -571,15 +600,19 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // tgmm: the rows of a group's last k step past its end are zeroed in both operands, in shared memory before the
 // wgmma reads them (padding rows, and the next group's, may hold anything, even NaN). The stages are MN-major
 // sub-tiles of 64 lines (one per k-step row), a's two then b's four, contiguous; the 256 consumer threads zero the
-// bad lines' 16-byte chunks of each in turn.
+// bad lines' 16-byte chunks of each in turn. A gathered operand's sub-tiles are skipped: its copies already read such
+// lines as zeros (and a forwarded half may still be on its way out to the peer).
+template <Gathered kGathered>
 __device__ __forceinline__ void tgmm_zero_tail(const Tile& tile, int32_t ks, uint8_t* stage, int consumer_thread) {
   static_assert(kABytes + kBBytes == 6 * kSubTileBytes, "tgmm stage: six MN-major sub-tiles");
+  constexpr int kFirstSub = kGathered == Gathered::kLhs ? 2 : 0;
+  constexpr int kSubs = kGathered == Gathered::kLhs ? 4 : (kGathered == Gathered::kRhs ? 2 : 6);
   const int32_t rows_here = tile.valid - ks * kBlockK;  // > 0
   if (rows_here >= kBlockK) return;
   const int bad_chunks = (kBlockK - rows_here) * 8;  // per sub-tile
-  for (int c = consumer_thread; c < 6 * bad_chunks; c += 256) {
-    const int sub = c / bad_chunks;
-    const int rest = c - sub * bad_chunks;
+  for (int c = consumer_thread; c < kSubs * bad_chunks; c += 256) {
+    const int sub = kFirstSub + c / bad_chunks;
+    const int rest = c % bad_chunks;
     *reinterpret_cast<uint4*>(stage + sub * kSubTileBytes + (rows_here + (rest >> 3)) * kLineBytes + (rest & 7) * 16) =
         make_uint4(0, 0, 0, 0);
   }
@@ -929,23 +962,26 @@ struct StageRelease {
   }
 };
 
-// thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered lhs, 0..127 (see "Gathered
-// lhs" for the warps' parts; thread 0 also issues the rhs loads, and every warp pops the tile queue).
-template <Mode kMode, bool kBMnMajor, int kCluster, bool kGatherLhs>
+// thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered operand, 0..127 (see
+// "Gathered operands" for the warps' parts; thread 0 also issues the other operand's loads, and every warp pops the
+// tile queue).
+template <Mode kMode, bool kBMnMajor, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
                                          uint64_t* empty, uint64_t* landed, TileQueue<kCluster>& queue, TileRing& ring,
                                          int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
+  constexpr bool kGathers = kGathered != Gathered::kNone;
+  using G = Gather<kMode, kGathered, kCluster>;
   if (thread == 0) {
-    if constexpr (!kGatherLhs) cute::prefetch_tma_descriptor(&maps.a);
+    if constexpr (kGathered != Gathered::kLhs) cute::prefetch_tma_descriptor(&maps.a);
     if (kMode == Mode::kGmm && p.k_steps2 > 0) cute::prefetch_tma_descriptor(&maps.a2);
-    cute::prefetch_tma_descriptor(&maps.b);
+    if constexpr (kGathered != Gathered::kRhs) cute::prefetch_tma_descriptor(&maps.b);
     cute::prefetch_tma_descriptor(&maps.b2);
   }
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   const bool fetcher = thread == 0 && rank == 0;
-  const bool gatherer = kGatherLhs && thread < Gather<kCluster>::kThreads;
-  const bool forwarder = kGatherLhs && kCluster > 1 && thread / 32 == Gather<kCluster>::kForwarderWarp;
+  const bool gatherer = kGathers && thread < G::kThreads;
+  const bool forwarder = kGathers && G::kForwards && thread / 32 == G::kForwarderWarp;
   const uint32_t peer_stage0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(smem), rank ^ 1) : 0;
   const uint32_t peer_full0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(full), rank ^ 1) : 0;
   const int32_t clusters = gridDim.x / kCluster;
@@ -954,41 +990,54 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   uint32_t it = 0;
   for (;;) {
     if (fetcher) queue.publish(pair);
-    const Tile tile = scheduler.get(p, kCluster * queue.template pop<kGatherLhs>() + static_cast<int32_t>(rank));
+    const Tile tile = scheduler.get(p, kCluster * queue.template pop<kGathers>() + static_cast<int32_t>(rank));
     if (thread == 0) ring.push(tile);
     if (tile.k_steps < 0) break;
     // Claimed now, when this CTA starts loading, so that the claims follow the order the CTAs free up in; the
     // stage ring holds kStages steps of work over the atomic's latency.
     if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
     const int32_t steps = tile.k_steps;
-    if (steps == 0 || (kGatherLhs && !gatherer && !forwarder)) continue;
+    if (steps == 0 || (kGathers && !gatherer && !forwarder)) continue;
     if (forwarder) {
       for (int32_t ks = 0; ks < steps; ++ks, ++it)
         forward_lhs_half(smem, full, landed, it % kStages, (it / kStages) & 1, rank, peer_stage0, peer_full0,
                          thread % 32);
       continue;
     }
-    GatherLines lines;
-    if constexpr (kGatherLhs) lines = gather_lines<kCluster>(p, tile, rank, thread);
+    GatherRows<G::kRows> rows;
+    if constexpr (kGathers && kMode != Mode::kTgmm)
+      rows = gather_rows<G::kRows>(p, tile, G::first_line(rank, thread), G::kLineStride);
     for (int32_t ks = 0; ks < steps; ++ks, ++it) {
+      // tgmm: the k step's contraction rows, looked up while the stage may still be in use.
+      if constexpr (kGathers && kMode == Mode::kTgmm)
+        rows = gather_rows<G::kRows>(p, tile, ks * kBlockK + G::first_line(rank, thread) % kBlockK, G::kLineStride);
       const uint32_t stage = it % kStages;
       wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
       if (thread == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-            &full[stage], kGatherLhs ? Gather<kCluster>::kFullBytes : kStageBytes);
-        if constexpr (!kGatherLhs) load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
-        load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage],
+                                                                       kGathers ? G::kFullBytes : kStageBytes);
+        if constexpr (kGathered != Gathered::kLhs)
+          load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
+        if constexpr (kGathered != Gathered::kRhs)
+          load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
       }
-      if constexpr (kGatherLhs)
-        gather_lhs<kCluster>(p, lines, ks, rank, thread, a_smem, kCluster == 1 ? &full[stage] : &landed[stage]);
+      if constexpr (kGathers) {
+        // The 16-byte column of the thread's line 0: the k step's (K-major), or its sub-tile's of the tile's columns.
+        const int first_line = G::first_line(rank, thread);
+        uint32_t column = ks * (kBlockK / 8);
+        if constexpr (kMode == Mode::kTgmm)
+          column = ((kGathered == Gathered::kLhs ? tile.m0 : tile.n0) + first_line / kBlockK * 64) / 8;
+        gather_copies<G>(p, rows, column, cute::cast_smem_ptr_to_uint(a_smem) + G::kStageOffset, first_line, thread,
+                         G::kForwards ? &landed[stage] : &full[stage]);
+      }
     }
   }
   // Copies still in flight would arrive on the barriers of a CTA this thread no longer belongs to.
-  if constexpr (kGatherLhs) asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if constexpr (kGathers) asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p, uint8_t* smem, uint8_t* staging,
                                          uint64_t* full, uint64_t* empty, TileRing& ring) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
@@ -1021,8 +1070,9 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
     auto acquire = [&](int32_t ks, uint32_t stage) {
       wait_barrier_at(full0 + 8 * stage, (it / kStages) & 1);
       // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
-      if constexpr (kGatherLhs) cutlass::arch::fence_view_async_shared();
-      if constexpr (kMode == Mode::kTgmm) tgmm_zero_tail(tile, ks, smem + stage * kStageBytes, consumer_thread);
+      if constexpr (kGathered != Gathered::kNone) cutlass::arch::fence_view_async_shared();
+      if constexpr (kMode == Mode::kTgmm)
+        tgmm_zero_tail<kGathered>(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
     // k step ks's wgmma, left in flight.
     auto issue = [&](int32_t ks) {
@@ -1085,27 +1135,29 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
-template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, bool kGatherLhs>
+template <Mode kMode, bool kBMnMajor, typename OutT, int kCluster, Gathered kGathered>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_constant__ TensorMaps maps, Params p) {
-  static_assert(!kGatherLhs || kMode == Mode::kSwiglu, "only gmm_swiglu takes a gathered lhs");
+  static_assert(kGathered == Gathered::kNone || kMode != Mode::kGmm, "gmm takes no gathered operand");
+  static_assert(kGathered != Gathered::kRhs || kMode == Mode::kTgmm, "only tgmm takes a gathered rhs");
+  using G = Gather<kMode, kGathered, kCluster>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* staging = smem + kStages * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
-  uint64_t* landed = empty + kStages;  // only a gathered lhs in a cluster waits here: this CTA's half has landed
+  uint64_t* landed = empty + kStages;  // only a forwarded lhs waits here: this CTA's half has landed
   TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(landed + kStages)};
   TileRing ring{queue.base + kQueueBytes};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterBarrier::init(&full[s], kGatherLhs ? Gather<kCluster>::kFullArrivals : 1);
+      cutlass::arch::ClusterBarrier::init(&full[s], kGathered != Gathered::kNone ? G::kFullArrivals : 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], 8 * kCluster);  // one arrive per consumer warp of the cluster
-      if constexpr (kGatherLhs && kCluster > 1) {
-        cutlass::arch::ClusterBarrier::init(&landed[s], Gather<kCluster>::kThreads);
+      if constexpr (kGathered != Gathered::kNone && G::kForwards) {
+        cutlass::arch::ClusterBarrier::init(&landed[s], G::kThreads);
       }
     }
-    queue.init(kGatherLhs);
+    queue.init(kGathered != Gathered::kNone);
     ring.init();
     cutlass::arch::fence_barrier_init();
   }
@@ -1118,12 +1170,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (kGatherLhs || threadIdx.x == 0) produce<kMode, kBMnMajor, kCluster, kGatherLhs>(maps, p, smem, full, empty,
-                                                                                          landed, queue, ring,
-                                                                                          threadIdx.x);
+    if (kGathered != Gathered::kNone || threadIdx.x == 0)
+      produce<kMode, kBMnMajor, kCluster, kGathered>(maps, p, smem, full, empty, landed, queue, ring, threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    consume<kMode, kBMnMajor, OutT, kCluster, kGatherLhs>(maps, p, smem, staging, full, empty, ring);
+    consume<kMode, kBMnMajor, OutT, kCluster, kGathered>(maps, p, smem, staging, full, empty, ring);
   }
   // Until its last k step the peer still multicasts into this CTA and arrives on its barriers (the stages' and the
   // tile queue's): neither CTA of a cluster exits before both are done.
