@@ -186,16 +186,16 @@ def _moe_bwd(limit, recompute, residuals, d_y):
   # recomputed gate/up next to the forward, and they stay alive through the other layers' work.
   x, d_y = jax.lax.optimization_barrier((x, d_y.astype(x.dtype)))
   num_rows = _num_rows(sched.rows, w_gate.shape[0])
-  if preactivations is None:  # recompute=True: no [R, H] copies of x and dy
+  layout = _Layout.of_schedule(sched)
+  if preactivations is None:  # recompute=True: the GEMMs read x and dy through the row -> token map, no [R, H] copies
     row_tokens = permute.row_tokens(sched.rows, num_rows)
     row_weights = permute.rows_of_slots(weights.astype(jnp.float32), sched.rows, num_rows)
-    x_in, dy_in = x, d_y
+    routed = _experts_backward(layout, x, d_y, row_weights, w_gate, w_up, w_down, None, limit, row_tokens)
   else:
-    row_tokens = None
-    x_in, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
-    dy_in = permute.gather_rows(d_y, sched, num_rows)
-  d_x_rows, d_row_weights, d_routed = _experts_backward(_Layout.of_schedule(sched), x_in, dy_in, row_weights, w_gate,
-                                                        w_up, w_down, preactivations, limit, row_tokens)
+    x_rows, row_weights = permute.gather_rows(x, sched, num_rows, weights=weights.astype(jnp.float32))
+    dy_rows = permute.gather_rows(d_y, sched, num_rows)
+    routed = _experts_backward(layout, x_rows, dy_rows, row_weights, w_gate, w_up, w_down, preactivations, limit)
+  d_x_rows, d_row_weights, d_routed = routed
   d_shared, d_x_shared = None, None
   if shared_experts is not None:
     d_x_shared, _, d_stacked = _experts_backward(_Layout.one_group(x.shape[0]), x, d_y, None,
