@@ -184,7 +184,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
       experts, shared included).
     axis_name: the ``jax.shard_map`` mesh axis the experts are split over (expert parallelism), or None.
     backend: "xla", "kittens" or "auto".
-    recompute: re-derive forward intermediates in the backward pass instead of saving them.
+    recompute: re-derive forward intermediates in the backward pass instead of saving them (lower peak memory for
+      more time; the kittens backward also reads x and dy from the tokens instead of from [R, H] row copies).
     capacity_factor: with ``axis_name``: rows each rank can receive as a multiple of T*k (None: dropless); entries
       over capacity are dropped deterministically and counted.
     return_stats: also return a `MoEStats`.
