@@ -14,6 +14,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -69,10 +70,24 @@ def parse_args(description: str) -> argparse.Namespace:
   return args
 
 
-def results_name(table: str, args, backends: Sequence[str]) -> str:
+def gpu_tag() -> str:
+  """The GPU's model for results' file names ("h200", "h100"; "cpu" without nvidia-smi), so that a run on another
+  card never replaces the H200's files. From nvidia-smi: asking JAX would have this process take the GPU's memory,
+  which the profiled children of gemm_counters.py need."""
+  try:
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                          check=True).stdout.splitlines()[0]
+  except (OSError, subprocess.CalledProcessError, IndexError):
+    return "cpu"
+  model = re.search(r"\b[A-Z]+[0-9]+\b", name)  # "NVIDIA H100 80GB HBM3" -> H100
+  return model.group(0).lower() if model else re.sub(r"\W+", "_", name).strip("_").lower()
+
+
+def results_name(table: str, args, backends: Sequence[str] = ()) -> str:
   """layer_h200, ragged_dot_smoke, ...; a run of some backends gets its own file (layer_h200_kittens_dense): it must
   not replace the full run's."""
-  return f"{table}_{'smoke' if args.smoke else 'h200'}" + ("" if args.only is None else "_" + "_".join(backends))
+  only = getattr(args, "only", None)
+  return f"{table}_{'smoke' if args.smoke else gpu_tag()}" + ("" if only is None else "_" + "_".join(backends))
 
 
 def shapes(args) -> dict[str, ModelShape]:

@@ -359,7 +359,7 @@ def main():
     rows += nvshmem_run(args)
   _add_speedups(rows)
   num_gpus = len(jax.devices())
-  name = f"ep_{num_gpus}xh200" if not args.smoke else f"ep_{num_gpus}x_smoke"
+  name = f"ep_{num_gpus}x{common.gpu_tag()}" if not args.smoke else f"ep_{num_gpus}x_smoke"
   common.print_table(rows, ["shape", "routing", "mode", "backend", "heap", "ep", "median_ms", "tflops",
                             "payload_gbps", "moved_gbps", "vs_xla", "error"])
   plot_rows = [r for r in rows if r.get("mode") in ("fwd", "fwd_bwd")]

@@ -299,11 +299,11 @@ def main() -> None:
   if args.source:
     profile = lambda case, name, routing: profile_source(case, name, routing, args.ncu, args.raw_dir,  # noqa: E731
                                                          args.case_timeout_s)
-    profile_all(runs, profile, report_source, os.path.join(args.out_dir, "gemm_source_h200.json"))
+    profile_all(runs, profile, report_source, os.path.join(args.out_dir, f"gemm_source_{common.gpu_tag()}.json"))
   else:
     profile = lambda case, name, routing: profile_case(case, name, routing, shapes[name], num_tokens,  # noqa: E731
                                                        args.ncu, args.case_timeout_s)
-    profile_all(runs, profile, report_counters, os.path.join(args.out_dir, "gemm_counters_h200.json"))
+    profile_all(runs, profile, report_counters, os.path.join(args.out_dir, f"gemm_counters_{common.gpu_tag()}.json"))
 
 
 def profile_all(runs, profile, report, path) -> None:

@@ -122,7 +122,7 @@ def main() -> None:
     return {"shape": name, **measure_case(case, common.MODEL_SHAPES[name], common.NUM_TOKENS, routing, args.seconds,
                                           args.nvidia_smi, fields)}
 
-  gemm_counters.profile_all(runs, profile, report, os.path.join(args.out_dir, "gpu_power_h200.json"))
+  gemm_counters.profile_all(runs, profile, report, os.path.join(args.out_dir, f"gpu_power_{common.gpu_tag()}.json"))
 
 
 if __name__ == "__main__":

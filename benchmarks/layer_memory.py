@@ -122,7 +122,7 @@ def main():
       print(f"    {buffer['bytes']:>14,}  {buffer['value']}")
   out_dir = args.out_dir or (os.path.join("/tmp", "jax_kittens_benchmarks") if args.smoke else common.RESULTS_DIR)
   os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"layer_memory_{'smoke' if args.smoke else 'h200'}.json")
+  path = os.path.join(out_dir, f"{common.results_name('layer_memory', args)}.json")
   with open(path, "w") as f:
     json.dump({**meta, "rows": rows}, f, indent=1)
   print(f"wrote {path}")

@@ -109,7 +109,7 @@ def main() -> None:
     shapes = {name: shapes[name] for name in args.shapes.split(",")}
   num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
   os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"layer_profile_{'smoke' if args.smoke else 'h200'}.json")
+  path = os.path.join(out_dir, f"{common.results_name('layer_profile', args)}.json")
   meta = {**common.metadata(), "calls": args.calls}
   rows = []
   for name, shape in shapes.items():

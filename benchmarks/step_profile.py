@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, error_message, metadata, print_traced, traced_device_time  # noqa: E402
+from benchmarks.common import (RESULTS_DIR, error_message, metadata, print_traced, results_name,  # noqa: E402
+                               traced_device_time)
 from benchmarks.train import BACKENDS, SMOKE, _batches  # noqa: E402
 from models.configs import get_config  # noqa: E402
 from models.train import Trainer  # noqa: E402
@@ -64,7 +65,7 @@ def main() -> None:
         row["error"] = error_message(error)
       rows.append(row)
       print_traced(f"{row['config']} {backend} (per step)", row)
-  name = "step_profile_smoke" if args.smoke else "step_profile_h200"
+  name = results_name("step_profile", args)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"{name}.json")
   with open(path, "w") as f:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS_DIR, error_message, metadata  # noqa: E402
+from benchmarks.common import RESULTS_DIR, error_message, metadata, results_name  # noqa: E402
 from models import data  # noqa: E402
 from models.configs import get_config  # noqa: E402
 from models.train import Trainer  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> None:
   else:
     agreement["error"] = {b: c["error"] for b, c in curves.items() if isinstance(c, dict)}
   print(agreement, flush=True)
-  name = "train_smoke" if args.smoke else "train_h200"
+  name = results_name("train", args)
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"{name}.json")
   with open(path, "w") as f:
