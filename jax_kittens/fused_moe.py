@@ -232,7 +232,7 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
   Returns:
     y: [T, H] bfloat16, or ``(y, MoEStats)`` with ``return_stats``.
   """
-  from jax_kittens import moe  # noqa: PLC0415 (moe imports this module lazily; the validation lives there)
+  from jax_kittens import moe  # noqa: PLC0415 (moe imports this module; the validation lives there)
 
   shared_experts = None if shared_experts is None else tuple(shared_experts)
   moe.check_moe_args(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, swiglu_limit=swiglu_limit,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kittens import _extension
+from jax_kittens._checks import check_array
 
 ROW_ALIGN = 128
 """Rows per GEMM tile: ``schedule(..., align=ROW_ALIGN)`` makes every group start on a tile."""
@@ -32,6 +33,7 @@ FEATURE_ALIGN = 64
 BACKENDS = ("auto", "kittens", "xla")
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what the kernels' epilogues store
+_BF16 = (jnp.bfloat16,)  # the kernels' operands
 
 # ragged_dot's xla backend, taken at import: a model patched with ``jax.lax.ragged_dot = jax_kittens.ragged_dot``
 # must not reach ragged_dot again through it.
@@ -41,24 +43,14 @@ _lax_ragged_dot = jax.lax.ragged_dot
 # ---------------------------------------------------------------------------------------------------------------
 # Argument checks (trace time).
 
-def _check_array(name, x, ndim, dtypes=(jnp.bfloat16,)):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if x.ndim != ndim:
-    raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
-  if x.dtype not in dtypes:
-    names = ", ".join(str(jnp.dtype(d)) for d in dtypes)
-    raise TypeError(f"{name} must be {names}, got {x.dtype}")
-
-
 def _check_feature(name, size):
   if size % FEATURE_ALIGN or size == 0:
     raise ValueError(f"{name}={size} must be a positive multiple of {FEATURE_ALIGN}")
 
 
 def _check_groups(group_offsets, group_sizes, num_groups):
-  _check_array("group_offsets", group_offsets, 1, (jnp.int32,))
-  _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
+  check_array("group_offsets", group_offsets, 1, (jnp.int32,))
+  check_array("group_sizes", group_sizes, 1, (jnp.int32,))
   if group_sizes.shape != (num_groups,):
     raise ValueError(f"group_sizes must have shape [G={num_groups}], got {tuple(group_sizes.shape)}")
   if group_offsets.shape != (num_groups + 1,):
@@ -78,7 +70,7 @@ def _gathered_rows(name, row_tokens, operand):
   token outside [0, T))."""
   if row_tokens is None:
     return jnp.zeros((0,), jnp.int32), operand.shape[0]
-  _check_array(name, row_tokens, 1, (jnp.int32,))
+  check_array(name, row_tokens, 1, (jnp.int32,))
   if row_tokens.shape[0] == 0:
     raise ValueError(f"{name} must have at least one row (leave it None for no rows)")
   if operand.shape[0] >= 2**31 or operand.size >= 2**35:  # the kernels address tokens in 32-bit counts of 16 bytes
@@ -124,8 +116,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
   Returns:
     [R, N] out_dtype; padding and tail rows are 0.
   """
-  _check_array("lhs", lhs, 2)
-  _check_array("rhs", rhs, 3)
+  check_array("lhs", lhs, 2, _BF16)
+  check_array("rhs", rhs, 3, _BF16)
   num_groups = rhs.shape[0]
   n, k1 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
   if (lhs2 is None) != (rhs2 is None):
@@ -134,8 +126,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
     lhs2 = jnp.zeros((lhs.shape[0], 0), jnp.bfloat16)
     rhs2 = jnp.zeros((num_groups, n, 0) if transpose_rhs else (num_groups, 0, n), jnp.bfloat16)
   else:
-    _check_array("lhs2", lhs2, 2)
-    _check_array("rhs2", rhs2, 3)
+    check_array("lhs2", lhs2, 2, _BF16)
+    check_array("rhs2", rhs2, 3, _BF16)
     n2, k2 = (rhs2.shape[1], rhs2.shape[2]) if transpose_rhs else (rhs2.shape[2], rhs2.shape[1])
     if rhs2.shape[0] != num_groups or n2 != n:
       raise ValueError(f"rhs2 must match rhs in groups and output dim ({num_groups}, N={n}), got shape "
@@ -172,9 +164,9 @@ def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: 
     act [R, I] bf16 = swiglu(x_rows @ w_gate[g], x_rows @ w_up[g]) computed from the float32 products, or
     (act, gate [R, I] bf16, up [R, I] bf16) when ``save_preactivations``. Padding rows are 0.
   """
-  _check_array("x", x, 2)
-  _check_array("w_gate", w_gate, 3)
-  _check_array("w_up", w_up, 3)
+  check_array("x", x, 2, _BF16)
+  check_array("w_gate", w_gate, 3, _BF16)
+  check_array("w_up", w_up, 3, _BF16)
   if w_up.shape != w_gate.shape:
     raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
   num_groups, hidden, inner = w_gate.shape
@@ -220,11 +212,11 @@ def gmm_swiglu_dgrad(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.
     (d_gate [R, I] bf16, d_up [R, I] bf16, d_row_weights [R] float32), then weighted_act [R, I] bf16 with
     ``save_weighted_act``; padding rows are 0.
   """
-  _check_array("dy", dy, 2)
-  _check_array("w_down", w_down, 3)
-  _check_array("gate", gate, 2)
-  _check_array("up", up, 2)
-  _check_array("row_weights", row_weights, 1, (jnp.float32,))
+  check_array("dy", dy, 2, _BF16)
+  check_array("w_down", w_down, 3, _BF16)
+  check_array("gate", gate, 2, _BF16)
+  check_array("up", up, 2, _BF16)
+  check_array("row_weights", row_weights, 1, (jnp.float32,))
   num_groups, inner, hidden = w_down.shape
   row_tokens, rows = _gathered_rows("row_tokens", row_tokens, dy)
   if dy.shape[1] != hidden:
@@ -263,8 +255,8 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
   Returns:
     [G, K, N] out_dtype; groups without data rows give 0.
   """
-  _check_array("lhs", lhs, 2)
-  _check_array("rhs", rhs, 2)
+  check_array("lhs", lhs, 2, _BF16)
+  check_array("rhs", rhs, 2, _BF16)
   if lhs_row_tokens is not None and rhs_row_tokens is not None:
     raise ValueError("tgmm gathers at most one operand: pass lhs_row_tokens or rhs_row_tokens, not both")
   lhs_row_tokens, rows = _gathered_rows("lhs_row_tokens", lhs_row_tokens, lhs)
@@ -274,7 +266,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
   k = lhs.shape[1]
   _check_feature("lhs dim K", k)
   _check_feature("rhs dim N", rhs.shape[1])
-  _check_array("group_sizes", group_sizes, 1, (jnp.int32,))
+  check_array("group_sizes", group_sizes, 1, (jnp.int32,))
   num_groups = group_sizes.shape[0]
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
@@ -348,7 +340,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
 
   Args:
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int32, consecutive row groups from row 0 (any sizes, 0 included;
-      rows past ``sum(group_sizes)`` give 0).
+      rows past ``sum(group_sizes)`` give 0, groups past row M are cut there). Negative sizes are invalid, as for
+      `jax.lax.ragged_dot`: the result is then unspecified, but the kernels never read or write outside the buffers.
     precision: as for `jax.lax.dot`. The kernels take None or any `jax.lax.Precision` (for bf16 operands each
       means bf16 products summed in float32); a `jax.lax.DotAlgorithm` or preset goes to xla.
     preferred_element_type: output dtype (default lhs.dtype).
@@ -362,9 +355,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  _check_array("lhs", lhs, 2, (lhs.dtype,) if hasattr(lhs, "dtype") else ())
-  _check_array("rhs", rhs, 3, (rhs.dtype,) if hasattr(rhs, "dtype") else ())
-  _check_array("group_sizes", group_sizes, 1, (group_sizes.dtype,) if hasattr(group_sizes, "dtype") else ())
+  check_array("lhs", lhs, 2)
+  check_array("rhs", rhs, 3)
+  check_array("group_sizes", group_sizes, 1)
   if rhs.shape[1] != lhs.shape[1]:
     raise ValueError(f"rhs must be [G, K={lhs.shape[1]}, N] to match lhs [M, K], got shape {tuple(rhs.shape)}")
   if group_sizes.shape != rhs.shape[:1]:

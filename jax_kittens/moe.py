@@ -6,9 +6,6 @@ Backends: "xla" (`jax_kittens.reference`, pure JAX), "kittens" (`jax_kittens.fus
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import numbers
 from typing import NamedTuple
 
@@ -16,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import _extension, reference
+from jax_kittens import _extension, fused_moe, reference
+from jax_kittens._checks import check_array
 from jax_kittens.moe_stats import MoEStats
 
 BACKENDS = ("auto", "kittens", "xla")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-_KITTENS_MODULE = "jax_kittens.fused_moe"
 
 __all__ = ["BACKENDS", "MoEShape", "MoEStats", "check_moe_args", "moe_ffn", "resolve_backend"]
 
@@ -37,14 +34,6 @@ class MoEShape(NamedTuple):
   num_experts: int  # E_local * axis size
   axis_size: int  # 1 without axis_name
   shared_intermediate: int | None  # Is
-
-
-def _shape_of(name, array, ndim, meaning):
-  if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(array).__name__}")
-  if array.ndim != ndim:
-    raise ValueError(f"{name} must have shape {meaning}, got shape {tuple(array.shape)}")
-  return tuple(array.shape)
 
 
 def _check_float(name, array, dtype=None):
@@ -79,27 +68,27 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
                    axis_name=None, backend="auto", recompute=False, capacity_factor=None,
                    return_stats=False) -> MoEShape:
   """Checks `moe_ffn`'s arguments at trace time (TypeError / ValueError naming the argument); returns the sizes."""
-  num_tokens, hidden = _shape_of("x", x, 2, "[tokens, hidden]")
+  num_tokens, hidden = check_array("x", x, 2, shape="[tokens, hidden]")
   _check_float("x", x)
-  routed_shape = _shape_of("weights", weights, 2, "[tokens, top_k]")
+  routed_shape = check_array("weights", weights, 2, shape="[tokens, top_k]")
   if routed_shape[0] != num_tokens:
     raise ValueError(f"weights must have shape [tokens={num_tokens}, top_k], got {routed_shape}")
   _check_float("weights", weights)
-  if _shape_of("ids", ids, 2, "[tokens, top_k]") != routed_shape:
+  if check_array("ids", ids, 2, shape="[tokens, top_k]") != routed_shape:
     raise ValueError(f"ids must have the shape of weights {routed_shape}, got {tuple(ids.shape)}")
   if ids.dtype != jnp.int32:
     raise TypeError(f"ids must be int32, got {ids.dtype}")
   top_k = routed_shape[1]
 
-  num_local_experts, gate_hidden, intermediate = _shape_of("w_gate", w_gate, 3, "[experts, hidden, intermediate]")
+  num_local_experts, gate_hidden, intermediate = check_array("w_gate", w_gate, 3, shape="[experts, hidden, intermediate]")
   if gate_hidden != hidden:
     raise ValueError(f"w_gate must have shape [experts, hidden={hidden}, intermediate], got {tuple(w_gate.shape)}")
   if num_local_experts < 1 or intermediate < 1:
     raise ValueError(f"w_gate needs at least one expert and intermediate >= 1, got shape {tuple(w_gate.shape)}")
-  if _shape_of("w_up", w_up, 3, "[experts, hidden, intermediate]") != tuple(w_gate.shape):
+  if check_array("w_up", w_up, 3, shape="[experts, hidden, intermediate]") != tuple(w_gate.shape):
     raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
   expected_down = (num_local_experts, intermediate, hidden)
-  if _shape_of("w_down", w_down, 3, "[experts, intermediate, hidden]") != expected_down:
+  if check_array("w_down", w_down, 3, shape="[experts, intermediate, hidden]") != expected_down:
     raise ValueError(f"w_down must have shape [experts, intermediate, hidden] = {expected_down}, "
                      f"got {tuple(w_down.shape)}")
   for name, array in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -110,12 +99,12 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
     if not isinstance(shared_experts, tuple | list) or len(shared_experts) != 3:
       raise TypeError("shared_experts must be a tuple (w_gate [hidden, Is], w_up [hidden, Is], w_down [Is, hidden])")
     s_gate, s_up, s_down = shared_experts
-    s_hidden, shared_intermediate = _shape_of("shared_experts[0] (w_gate)", s_gate, 2, "[hidden, shared_intermediate]")
+    s_hidden, shared_intermediate = check_array("shared_experts[0] (w_gate)", s_gate, 2, shape="[hidden, shared_intermediate]")
     if s_hidden != hidden:
       raise ValueError(f"shared_experts[0] (w_gate) must have shape [hidden={hidden}, Is], got {tuple(s_gate.shape)}")
-    if _shape_of("shared_experts[1] (w_up)", s_up, 2, "[hidden, shared_intermediate]") != tuple(s_gate.shape):
+    if check_array("shared_experts[1] (w_up)", s_up, 2, shape="[hidden, shared_intermediate]") != tuple(s_gate.shape):
       raise ValueError(f"shared_experts[1] (w_up) must have shape {tuple(s_gate.shape)}, got {tuple(s_up.shape)}")
-    if (_shape_of("shared_experts[2] (w_down)", s_down, 2, "[shared_intermediate, hidden]")
+    if (check_array("shared_experts[2] (w_down)", s_down, 2, shape="[shared_intermediate, hidden]")
         != (shared_intermediate, hidden)):
       raise ValueError(f"shared_experts[2] (w_down) must have shape [Is={shared_intermediate}, hidden={hidden}], "
                        f"got {tuple(s_down.shape)}")
@@ -140,28 +129,11 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
                   shared_intermediate)
 
 
-@functools.cache
-def _kittens_present() -> bool:
-  return importlib.util.find_spec(_KITTENS_MODULE) is not None
-
-
 def resolve_backend(backend: str) -> str:
-  """"auto" -> "kittens" where `_extension.kittens_by_default()` and the fused layer exists, else "xla"."""
+  """"auto" -> "kittens" where `_extension.kittens_by_default()`, else "xla"."""
   if backend != "auto":
     return backend
-  return "kittens" if _extension.kittens_by_default() and _kittens_present() else "xla"
-
-
-def _kittens_moe_ffn():
-  if not _kittens_present():
-    raise NotImplementedError(f"backend='kittens' needs {_KITTENS_MODULE}, which this build of jax_kittens lacks; "
-                              "use backend='xla'")
-  return importlib.import_module(_KITTENS_MODULE).moe_ffn
-
-
-def _kittens_accepts(x, w_gate, shared_experts) -> bool:
-  """Whether the fused kernels run this layer (bf16, feature sizes): "auto" falls back to xla where they do not."""
-  return importlib.import_module(_KITTENS_MODULE).unsupported_reason(x, w_gate, shared_experts) is None
+  return "kittens" if _extension.kittens_by_default() else "xla"
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -206,9 +178,11 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
 
     return expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
                                    recompute=recompute, **options)
-  if resolve_backend(backend) == "kittens" and (backend == "kittens" or _kittens_accepts(x, w_gate, shared_experts)):
-    return _kittens_moe_ffn()(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
-                              recompute=recompute, **options)
+  # "auto" falls back to xla for the layers the fused kernels do not take (dtype, feature sizes).
+  if resolve_backend(backend) == "kittens" and (
+      backend == "kittens" or fused_moe.unsupported_reason(x, w_gate, shared_experts) is None):
+    return fused_moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
+                             recompute=recompute, **options)
 
   def layer(x, weights, ids, w_gate, w_up, w_down, shared_experts):
     return reference.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, **options)

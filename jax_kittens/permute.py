@@ -18,20 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kittens import _extension
+from jax_kittens._checks import check_array
 from jax_kittens.routing import Schedule
 
 _VALUE_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
-def _check_array(name, x, ndim):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if x.ndim != ndim:
-    raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
-
-
 def _check_slots(name, x, slots_shape, dtype):
-  _check_array(name, x, 2)
+  check_array(name, x, 2)
   if tuple(x.shape) != tuple(slots_shape):
     raise ValueError(f"{name} must have the routing's shape [T, k] = {tuple(slots_shape)}, got {tuple(x.shape)}")
   if x.dtype != dtype:
@@ -58,9 +52,9 @@ def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax
   Returns:
     x_rows [R, H] x.dtype, or (x_rows, row_weights [R] float32) when ``weights`` is given.
   """
-  _check_array("x", x, 2)
+  check_array("x", x, 2)
   rows, offsets, counts = schedule.rows, schedule.expert_offsets, schedule.tokens_per_expert
-  _check_array("schedule.rows", rows, 2)
+  check_array("schedule.rows", rows, 2)
   if rows.shape[0] != x.shape[0] or rows.dtype != jnp.int32:
     raise ValueError(f"schedule.rows must be [T={x.shape[0]}, k] int32, got {rows.dtype}{tuple(rows.shape)}")
   if counts.ndim != 1 or offsets.shape != (counts.shape[0] + 1,):
@@ -97,10 +91,10 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
   Returns:
     y: [T, H] values.dtype.
   """
-  _check_array("values", values, 2)
+  check_array("values", values, 2)
   if values.dtype not in _VALUE_DTYPES:
     raise TypeError(f"values must be bfloat16 or float32, got {values.dtype}")
-  _check_array("rows", rows, 2)
+  check_array("rows", rows, 2)
   if rows.dtype != jnp.int32:
     raise TypeError(f"rows must be int32, got {rows.dtype}")
   if values.shape[0] >= 2**31:
@@ -113,7 +107,7 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
   if addend is None:
     addend = jnp.zeros((0, hidden), values.dtype)
   else:
-    _check_array("addend", addend, 2)
+    check_array("addend", addend, 2)
     if tuple(addend.shape) != (num_tokens, hidden) or addend.dtype != values.dtype:
       raise ValueError(f"addend must be [T={num_tokens}, H={hidden}] {values.dtype}, got "
                        f"{addend.dtype}{tuple(addend.shape)}")
@@ -129,10 +123,10 @@ def rows_of_slots(slot_values: jax.Array, rows: jax.Array, num_rows: int, *, fil
   slot_values: [T, k]; rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] slot_values.dtype. One XLA scatter
   of T*k values (each row takes at most one slot, so the order of the writes does not matter).
   """
-  _check_array("rows", rows, 2)
+  check_array("rows", rows, 2)
   if rows.dtype != jnp.int32:
     raise TypeError(f"rows must be int32, got {rows.dtype}")
-  _check_array("slot_values", slot_values, 2)
+  check_array("slot_values", slot_values, 2)
   if slot_values.shape != rows.shape:
     raise ValueError(f"slot_values must have the routing's shape [T, k] = {tuple(rows.shape)}, got "
                      f"{tuple(slot_values.shape)}")
@@ -148,7 +142,7 @@ def row_tokens(rows: jax.Array, num_rows: int) -> jax.Array:
   rows: [T, k] int32 schedule rows; num_rows: R. Returns [R] int32, the row -> token map through which the grouped
   GEMMs read rows straight from the tokens (`grouped_matmul`'s ``row_tokens`` arguments).
   """
-  _check_array("rows", rows, 2)
+  check_array("rows", rows, 2)
   num_tokens, top_k = rows.shape
   tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, top_k))
   return rows_of_slots(tokens, rows, num_rows, fill=-1)

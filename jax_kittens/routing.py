@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kittens import _extension
+from jax_kittens._checks import check_array
 
 SCORES = ("softmax", "sigmoid")
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BACKENDS = ("auto", "kittens", "xla")
 _SCORE_CODE = {"softmax": 0, "sigmoid": 1}
 _MAX_GROUPS = 64
@@ -49,11 +51,11 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _check_route_args(logits, top_k, score, bias, num_groups, top_groups):
-  if not isinstance(logits, jax.Array | np.ndarray) and not hasattr(logits, "shape"):
+  if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
     raise TypeError(f"logits must be an array, got {type(logits).__name__}")
   if logits.ndim < 2:
     raise ValueError(f"logits must have shape [..., tokens, experts], got shape {logits.shape}")
-  if logits.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+  if logits.dtype not in _FLOAT_DTYPES:
     raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
   num_experts = logits.shape[-1]
   if not isinstance(top_k, int | np.integer) or isinstance(top_k, bool):
@@ -65,8 +67,9 @@ def _check_route_args(logits, top_k, score, bias, num_groups, top_groups):
   if bias is not None:
     if score != "sigmoid":
       raise ValueError("bias is only used with score='sigmoid' (selection bias, DeepSeek-V3 style)")
-    if bias.shape[-1:] != (num_experts,):
-      raise ValueError(f"bias must have shape [{num_experts}] (one per expert), got {bias.shape}")
+    check_array("bias", bias, 1, _FLOAT_DTYPES, shape=f"[{num_experts}] (one per expert)")
+    if bias.shape != (num_experts,):
+      raise ValueError(f"bias must have shape [{num_experts}] (one per expert), got {tuple(bias.shape)}")
   if (num_groups is None) != (top_groups is None):
     raise ValueError("num_groups and top_groups must be given together")
   if num_groups is not None:
@@ -84,8 +87,15 @@ def routing_weights(logits: jax.Array, ids: jax.Array, score: str, renormalize: 
   """The router weights of the chosen experts, differentiable in ``logits``.
 
   logits: [..., T, E]; ids: [..., T, k] int32 -> [..., T, k] float32. Softmax probabilities over all experts (or the
-  unbiased sigmoid) gathered at ``ids``, divided by their sum when ``renormalize``.
+  unbiased sigmoid) gathered at ``ids``, divided by their sum when ``renormalize``. An id outside [0, E) gives NaN.
   """
+  if score not in SCORES:
+    raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+  logits_shape = check_array("logits", logits, None, _FLOAT_DTYPES)
+  ids_shape = check_array("ids", ids, len(logits_shape), (jnp.int32,))
+  if len(logits_shape) < 2 or ids_shape[:-1] != logits_shape[:-1]:
+    raise ValueError(f"logits [..., T, E] and ids [..., T, k] must agree but for the last dim, got shapes "
+                     f"{logits_shape} and {ids_shape}")
   logits = logits.astype(jnp.float32)
   scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
   weights = jnp.take_along_axis(scores, ids, axis=-1)
@@ -217,8 +227,7 @@ def schedule(ids: jax.Array, num_experts: int, *, align: int = 1, backend: str =
   Returns:
     A `Schedule`; the rows it uses are bounded by ``num_schedule_rows(ids.size, num_experts, align)``.
   """
-  if ids.dtype != jnp.int32:
-    raise TypeError(f"ids must be int32, got {ids.dtype}")
+  check_array("ids", ids, None, (jnp.int32,))
   if not isinstance(num_experts, int | np.integer) or num_experts < 1:
     raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
   if not isinstance(align, int | np.integer) or align < 1:

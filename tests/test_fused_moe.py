@@ -279,6 +279,25 @@ def test_matches_oracle_and_reference(on_cpu, rng, tokens, hidden, intermediate,
   assert_close_to(y, grads, ref_y, ref_grads, weights_scale=weights_scale)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("tokens,every_id_elsewhere", [(0, False), (9, True)])
+def test_no_tokens_or_no_routed_rows(on_cpu, rng, tokens, every_id_elsewhere, recompute):
+  """T = 0, and ids that all miss this layer's experts (no routed row at all): the shared expert alone, and zero
+  gradients for the routed experts and the router weights."""
+  layer = make_layer(rng, tokens, 64, 64, 4, 2, "uniform", 64, False)
+  if every_id_elsewhere:
+    layer["ids"] = np.broadcast_to(np.array([4, -1], np.int32), np.shape(layer["ids"])).copy()
+  d_y = rng.standard_normal((tokens, 64)).astype(np.float32)
+  y, grads = grads_fn(fused_moe.moe_ffn, layer["ids"], d_y, recompute=recompute)(*layer_args(layer))
+  assert y.shape == (tokens, 64) and y.dtype == jnp.bfloat16
+  for grad, arg in zip(flat_grads(grads), flat_grads(layer_args(layer))):
+    assert grad.dtype == arg.dtype and grad.shape == arg.shape
+  for routed in grads[1:5]:  # d_weights, dW_gate, dW_up, dW_down
+    np.testing.assert_array_equal(np.asarray(routed, np.float32), 0.0)
+  want_y, want_grads = oracle(layer, d_y, None)
+  assert_close_to(y, grads, want_y, want_grads)
+
+
 @pytest.mark.parametrize("rows,k,n", [(2100, 64, 128), (4096, 192, 64)])
 def test_one_group_weight_gradient_in_row_slices(on_cpu, rng, rows, k, n):
   """A one-group tgmm with few output tiles runs as row slices with f32 partials: still lhs^T @ rhs."""
@@ -312,7 +331,7 @@ def test_recompute_agrees_and_runs_are_bit_identical(on_cpu, rng):
       np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
 
-def test_dispatch_stats_and_errors(on_cpu, rng):
+def test_dispatch_stats_and_errors(on_cpu, rng, monkeypatch):
   layer = make_layer(rng, 20, 64, 64, 4, 2, "uniform", None, True)
   args = (layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"])
   y, stats = moe.moe_ffn(*args, backend="kittens", return_stats=True)
@@ -324,11 +343,22 @@ def test_dispatch_stats_and_errors(on_cpu, rng):
     fused_moe.moe_ffn(*(jnp.asarray(a, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args))
   with pytest.raises(ValueError, match="multiple of 64"):
     fused_moe.moe_ffn(args[0][:, :48], args[1], args[2], args[3][:, :48], args[4][:, :48], args[5][:, :, :48])
+  with pytest.raises(ValueError, match=r"intermediate \(w_gate.shape\[2\]\) to be a multiple of 64"):
+    fused_moe.moe_ffn(*args[:3], args[3][:, :, :48], args[4][:, :, :48], args[5][:, :48])
+  narrow_shared = (jnp.zeros((64, 48), jnp.bfloat16),) * 2 + (jnp.zeros((48, 64), jnp.bfloat16),)
+  with pytest.raises(ValueError, match=r"shared intermediate .* to be a multiple of 64"):
+    fused_moe.moe_ffn(*args, shared_experts=narrow_shared)
   with pytest.raises(ValueError, match="w_up"):
     fused_moe.moe_ffn(*args[:4], args[4][:, :, :32], args[5])
-  # "auto" falls back to the reference for layers the kernels do not take (and on CPU for all).
+  # Where "auto" picks the kernels (as on a GPU), it falls back to the reference for the layers they do not take.
+  monkeypatch.setattr(moe._extension, "kittens_by_default", lambda **_: True)
+  np.testing.assert_array_equal(np.asarray(moe.moe_ffn(*args, backend="auto")), np.asarray(y))
   f32_args = tuple(jnp.asarray(a, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
-  assert moe.moe_ffn(*f32_args, backend="auto").dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(moe.moe_ffn(*f32_args, backend="auto")),
+                                np.asarray(moe.moe_ffn(*f32_args, backend="xla")))
+  narrow_args = (*args[:3], args[3][:, :, :48], args[4][:, :, :48], args[5][:, :48])
+  np.testing.assert_array_equal(np.asarray(moe.moe_ffn(*narrow_args, backend="auto")),
+                                np.asarray(moe.moe_ffn(*narrow_args, backend="xla")))
 
 
 def stacked_fwd_bwd_memory(layer, d_y, layer_fn, num_layers=2, **options):
@@ -425,6 +455,11 @@ def test_gpu_layer_matches_reference(rng, load, shared, limit):
     y, grads = fn(*layer_args(layer))
     ref_y, ref_grads = f32_reference(layer, d_y, limit)
     assert_close_to(y, grads, ref_y, ref_grads)
+    # Token by token too: one lost or misrouted (token, slot) moves its token's row by ~1/k, and the whole array's
+    # error by ~1/(k sqrt(T)), under the bound above. (dx only without the clamp, whose gradient jumps at the limit.)
+    for got, want in ((y, ref_y),) + (((grads[0], ref_grads[0]),) if limit is None else ()):
+      got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+      assert np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)) < 0.1
     y2, grads2 = fn(*layer_args(layer))
     for a, b in zip((y,) + flat_grads(grads), (y2,) + flat_grads(grads2)):
       np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -1,5 +1,7 @@
 """jax_kittens.nn: the NNX and Linen MoE modules against float64 numpy oracles, and against each other."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,36 @@ def test_nnx_layer_matches_numpy_oracle(score, shared):
   np.testing.assert_allclose(float(aux.load_balancing_loss), want_balance, rtol=1e-5)
   np.testing.assert_allclose(float(aux.router_z_loss), want_z, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(aux.expert_load), want_load)
+
+
+@pytest.mark.parametrize("score,shared", [("softmax", 64), ("sigmoid", None)])
+def test_kittens_backend_in_the_modules(score, shared):
+  """The bf16 layer through the kittens kernels (their CPU twins here): the float64 oracle, gradients as xla's."""
+  config = _config(hidden=64, intermediate=128, num_experts=4, score=score, shared_intermediate=shared,
+                   dtype=jnp.bfloat16, backend="kittens")
+  module = kittens_nn.nnx.MoE(config, rngs=nnx.Rngs(4))
+  x = jax.random.normal(jax.random.key(6), (2, 19, config.hidden))
+  y, aux = module(x)
+  assert y.dtype == jnp.bfloat16 and y.shape == x.shape
+  bias = None if module.router_bias is None else module.router_bias[...]
+  # The oracle in float64 on the bf16-rounded parameters and tokens the kernels see.
+  rounded = {name: value.astype(jnp.bfloat16).astype(jnp.float32) for name, value in module.params().items()}
+  rounded["router"] = module.params()["router"]
+  want_y, _, _, want_load = _oracle_layer(config, rounded, bias, x.reshape(-1, config.hidden))
+  scale = np.abs(want_y).max()
+  np.testing.assert_allclose(np.asarray(y, np.float64).reshape(want_y.shape), want_y, atol=2e-2 * scale)
+  np.testing.assert_array_equal(np.asarray(aux.expert_load), want_load)
+  xla_config = dataclasses.replace(config, backend="xla")
+
+  def loss(cfg, params):
+    y, aux = kittens_nn.moe_layer(cfg, params, bias, x)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + aux.load_balancing_loss
+
+  got, want = jax.grad(loss, argnums=1)(config, module.params()), jax.grad(loss, argnums=1)(xla_config,
+                                                                                           module.params())
+  for name in want:
+    error = np.linalg.norm(np.asarray(got[name] - want[name])) / np.linalg.norm(np.asarray(want[name]))
+    assert error < 3e-2, (name, error)
 
 
 def test_output_shapes_and_parameter_shapes():
@@ -164,7 +196,19 @@ def test_router_bias_is_not_a_trainable_param():
     (dict(score="relu"), "score must be one of"),
     (dict(backend="cuda"), "backend must be one of"),
     (dict(shared_intermediate=0), "shared_intermediate"),
+    (dict(shared_intermediate=True), "shared_intermediate"),
+    (dict(renormalize="no"), "renormalize must be a bool"),
+    (dict(swiglu_limit=-1.0), "swiglu_limit must be a finite number > 0"),
+    (dict(swiglu_limit=float("nan")), "swiglu_limit must be a finite number > 0"),
+    (dict(axis_name=3), "axis_name must be a str"),
+    (dict(dtype=jnp.int32), "dtype must be one of"),
+    (dict(dtype="not a dtype"), "dtype must be one of"),
 ])
 def test_bad_config_raises(bad, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((ValueError, TypeError), match=match):
     _config(**bad)
+
+
+def test_router_aux_rejects_an_unknown_score():
+  with pytest.raises(ValueError, match="score must be one of"):
+    kittens_nn.router_aux(jnp.zeros((4, 6)), jnp.zeros((4, 2), jnp.int32), "relu")

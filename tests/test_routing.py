@@ -115,7 +115,7 @@ def test_route_is_deterministic_and_jits():
 
 
 @pytest.mark.parametrize("config", CONFIGS[:5], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_route_gradient_matches_pure_jax(config):
+def test_route_gradient_matches_float64_differences_and_pure_jax(config):
   logits = jax.random.normal(jax.random.key(np.random.default_rng().integers(1 << 30)), (37, 24))
   config = {k: v for k, v in config.items() if k != "bias"}
   probe = jax.random.normal(jax.random.key(9), (37, 3))
@@ -128,6 +128,18 @@ def test_route_gradient_matches_pure_jax(config):
   grad_xla = jax.grad(loss)(logits, "xla")
   np.testing.assert_allclose(grad_kittens, grad_xla, rtol=1e-5, atol=1e-7)
   assert float(jnp.abs(grad_kittens).max()) > 0
+
+  # Central differences of the float64 oracle's weights (random normal logits: no choice flips within 1e-6).
+  logits64, probe64, eps = np.asarray(logits, np.float64), np.asarray(probe, np.float64), 1e-6
+  oracle_args = (3, config["score"], None, config.get("renormalize", True), config.get("num_groups"),
+                 config.get("top_groups"))
+  oracle_loss = lambda l: np.sum(_oracle_route(l, *oracle_args)[0] * probe64)  # noqa: E731
+  differences = np.zeros_like(logits64)
+  for index in np.ndindex(*logits64.shape):
+    step = np.zeros_like(logits64)
+    step[index] = eps
+    differences[index] = (oracle_loss(logits64 + step) - oracle_loss(logits64 - step)) / (2 * eps)
+  np.testing.assert_allclose(grad_kittens, differences, rtol=1e-4, atol=1e-6)
 
 
 def test_route_bias_gets_no_gradient():
@@ -179,6 +191,9 @@ def test_route_gradient_under_shard_map(backend):
     (dict(top_k=2, score="relu"), "score"),
     (dict(top_k=2, bias=jnp.zeros(32)), "bias"),
     (dict(top_k=2, score="sigmoid", bias=jnp.zeros(31)), "bias"),
+    (dict(top_k=2, score="sigmoid", bias=jnp.zeros((4, 32))), r"bias must have shape \[32\]"),
+    (dict(top_k=2, score="sigmoid", bias=[0.0] * 32), "bias must be an array"),
+    (dict(top_k=2, score="sigmoid", bias=jnp.zeros(32, jnp.int32)), "bias must be"),
     (dict(top_k=2, num_groups=5, top_groups=1), "num_groups"),
     (dict(top_k=2, num_groups=4), "together"),
     (dict(top_k=2, num_groups=4, top_groups=5), "top_groups"),
@@ -246,9 +261,24 @@ def test_schedule_of_no_tokens():
   np.testing.assert_array_equal(result.expert_offsets, 0)
 
 
+@pytest.mark.parametrize("logits, ids, score, match", [
+    (jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), "relu", "score must be one of"),
+    (jnp.zeros((4, 8)), jnp.zeros((5, 2), jnp.int32), "softmax", "must agree but for the last dim"),
+    (jnp.zeros((8,)), jnp.zeros((2,), jnp.int32), "softmax", "must agree but for the last dim"),
+    (jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.float32), "softmax", "ids must be int32"),
+    (jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 2), jnp.int32), "softmax", "logits must be"),
+    ([[0.0] * 8] * 4, jnp.zeros((4, 2), jnp.int32), "softmax", "logits must be an array"),
+])
+def test_routing_weights_rejects_bad_arguments(logits, ids, score, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    jk.routing_weights(logits, ids, score, True)
+
+
 def test_schedule_rejects_bad_arguments():
   with pytest.raises(TypeError, match="ids"):
     jk.schedule(jnp.zeros((4, 2), jnp.float32), 4)
+  with pytest.raises(TypeError, match="ids must be an array"):
+    jk.schedule([[0, 1]] * 4, 4)
   with pytest.raises(ValueError, match="num_experts"):
     jk.schedule(jnp.zeros((4, 2), jnp.int32), 0)
   with pytest.raises(ValueError, match="align"):

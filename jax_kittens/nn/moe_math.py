@@ -6,6 +6,7 @@ Both modules hold the same parameters (see `MoEConfig.param_shapes`) and call `m
 from __future__ import annotations
 
 import dataclasses
+from math import inf
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from jax_kittens import routing
 from jax_kittens.moe import BACKENDS, moe_ffn
 
 SCORES = routing.SCORES
+_COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +56,24 @@ class MoEConfig:
       raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
     if self.score not in SCORES:
       raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-    if self.shared_intermediate is not None and (not isinstance(self.shared_intermediate, int)
-                                                 or self.shared_intermediate < 1):
-      raise ValueError(f"shared_intermediate must be a positive int or None, got {self.shared_intermediate!r}")
+    if not isinstance(self.renormalize, bool):
+      raise TypeError(f"renormalize must be a bool, got {self.renormalize!r}")
+    shared = self.shared_intermediate
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 1):
+      raise ValueError(f"shared_intermediate must be a positive int or None, got {shared!r}")
+    limit = self.swiglu_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 < limit < inf):
+      raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {limit!r}")
+    if self.axis_name is not None and not isinstance(self.axis_name, str):
+      raise TypeError(f"axis_name must be a str or None, got {self.axis_name!r}")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except TypeError:
+      dtype = None
+    if dtype not in _COMPUTE_DTYPES:
+      raise TypeError(f"dtype must be one of {[str(d) for d in _COMPUTE_DTYPES]}, got {self.dtype!r}")
 
   def param_shapes(self, num_local_experts: int | None = None) -> dict[str, tuple[int, ...]]:
     """Shapes of the trainable parameters (all float32 at rest).
@@ -106,7 +121,10 @@ class MoEAux:
 
 
 def router_aux(logits: jax.Array, ids: jax.Array, score: str) -> MoEAux:
-  """Aux losses and load of one routing decision. logits: [T, E] f32; ids: [T, k] int32."""
+  """Aux losses and load of one routing decision. logits: [T, E] f32; ids: [T, k] int32 (ids outside [0, E) are not
+  counted in the load)."""
+  if score not in SCORES:
+    raise ValueError(f"score must be one of {SCORES}, got {score!r}")
   num_experts = logits.shape[-1]
   load = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
   fraction = jax.lax.stop_gradient(load / ids.size)
