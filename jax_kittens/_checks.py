@@ -1,4 +1,4 @@
-"""Trace-time argument checks shared by the public ops: each raises a TypeError or ValueError that names the argument."""
+"""Trace-time argument checks shared by the public ops: each raises a TypeError or ValueError naming the argument."""
 
 from __future__ import annotations
 

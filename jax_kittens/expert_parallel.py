@@ -284,7 +284,8 @@ def moe_ffn(x, weights, ids, w_gate, w_up, w_down, *, axis_name: str, shared_exp
   """`jax_kittens.moe_ffn` with ``backend="kittens"`` and ``axis_name``: arguments as there (checked by it).
 
   Routed experts go through `expert_parallel_moe`, the local ones with `grouped_matmul.ragged_dot` (the kittens
-  grouped GEMM where it takes the operands, else XLA's); the shared experts run locally. Returns y [T, H] x.dtype, or ``(y, MoEStats)`` with ``return_stats``.
+  grouped GEMM where it takes the operands, else XLA's); the shared experts run locally. Returns y [T, H] x.dtype,
+  or ``(y, MoEStats)`` with ``return_stats``.
   """
   def layer(x, weights, ids, w_gate, w_up, w_down, shared_experts):
     y, stats = expert_parallel_moe(x, weights, ids, w_gate, w_up, w_down, axis_name=axis_name,

@@ -80,7 +80,8 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
     raise TypeError(f"ids must be int32, got {ids.dtype}")
   top_k = routed_shape[1]
 
-  num_local_experts, gate_hidden, intermediate = check_array("w_gate", w_gate, 3, shape="[experts, hidden, intermediate]")
+  num_local_experts, gate_hidden, intermediate = check_array("w_gate", w_gate, 3,
+                                                             shape="[experts, hidden, intermediate]")
   if gate_hidden != hidden:
     raise ValueError(f"w_gate must have shape [experts, hidden={hidden}, intermediate], got {tuple(w_gate.shape)}")
   if num_local_experts < 1 or intermediate < 1:
@@ -99,7 +100,8 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
     if not isinstance(shared_experts, tuple | list) or len(shared_experts) != 3:
       raise TypeError("shared_experts must be a tuple (w_gate [hidden, Is], w_up [hidden, Is], w_down [Is, hidden])")
     s_gate, s_up, s_down = shared_experts
-    s_hidden, shared_intermediate = check_array("shared_experts[0] (w_gate)", s_gate, 2, shape="[hidden, shared_intermediate]")
+    s_hidden, shared_intermediate = check_array("shared_experts[0] (w_gate)", s_gate, 2,
+                                                shape="[hidden, shared_intermediate]")
     if s_hidden != hidden:
       raise ValueError(f"shared_experts[0] (w_gate) must have shape [hidden={hidden}, Is], got {tuple(s_gate.shape)}")
     if check_array("shared_experts[1] (w_up)", s_up, 2, shape="[hidden, shared_intermediate]") != tuple(s_gate.shape):

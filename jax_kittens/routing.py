@@ -133,7 +133,8 @@ def _route_ids_ffi(logits, top_k, score, bias, renormalize, num_groups, top_grou
   # Leading dims are flattened into tokens by the handler, so batching only has to broadcast.
   weights, ids = _extension.ffi_call(
       "jk_route", out_types, logits, bias, vmap_method="broadcast_all", top_k=np.int32(top_k),
-      score=np.int32(_SCORE_CODE[score]), renormalize=bool(renormalize), num_groups=np.int32(num_groups or 1), top_groups=np.int32(top_groups or 1), has_bias=has_bias)
+      score=np.int32(_SCORE_CODE[score]), renormalize=bool(renormalize), num_groups=np.int32(num_groups or 1),
+      top_groups=np.int32(top_groups or 1), has_bias=has_bias)
   return weights, ids
 
 

@@ -137,6 +137,9 @@ def test_bfloat16_and_recompute(rng):
   np.testing.assert_allclose(np.asarray(y, np.float32), want_y, rtol=3e-2, atol=3e-2 * scale)
   np.testing.assert_allclose(np.asarray(grads[0], np.float32), want_grads.x, rtol=5e-2,
                              atol=5e-2 * np.abs(want_grads.x).max())
+  for name, got, want in zip(("weights", "w_gate", "w_up", "w_down"), grads[1:5], want_grads[1:5]):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2, name
 
 
 def _forward(mesh, heap, capacity_factor=None):
