@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--capacity-factor", type=float, default=2.0,
                       help="receive rows per rank / (T*k), the same for both backends")
   parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--min-iters", type=int, default=5)
+  parser.add_argument("--min-iters", type=int, default=20)  # design.md: the median of >= 20 runs
   parser.add_argument("--budget-s", type=float, default=2.0)
   parser.add_argument("--out-dir", default=None)
   parser.add_argument("--only", default=None, help="comma-separated backends (kittens, xla, a2a_kittens_gemm)")
@@ -151,7 +151,9 @@ class Bench:
       y = forward(x, weights, ids, w_gate, w_up, w_down)
       return jnp.sum(y.astype(jnp.float32) * d_y.astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1, 3, 4, 5))
+    # The loss comes back with the gradients: dropped, it would let XLA remove the forward work only y needs, which
+    # differs between the backends (see layer.forward_backward).
+    return jax.value_and_grad(loss, argnums=(0, 1, 3, 4, 5))
 
   def dispatch(self):
     """(x, ids) -> (recv, Dispatched arrays): the plan and the pull dispatch alone."""

@@ -40,8 +40,8 @@ LISTED_BUFFERS = 12  # per case, the largest buffers live at the peak
 
 
 def stacked_forward_backward(num_layers, recompute):
-  """g(x, weights, ids, *experts of each layer, d_y) -> gradients of x, the router weights and every expert weight
-  through ``num_layers`` kittens layers in a row (the same routing in each)."""
+  """g(x, weights, ids, *experts of each layer, d_y) -> (y, gradients of x, the router weights and every expert
+  weight) through ``num_layers`` kittens layers in a row (the same routing in each)."""
   routed = layer.routed_layer("kittens", None, recompute=recompute)
 
   def stack(x, weights, ids, *experts):

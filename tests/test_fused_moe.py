@@ -372,9 +372,9 @@ def stacked_fwd_bwd_memory(layer, d_y, layer_fn, num_layers=2, **options):
       x = layer_fn(x, weights, layer["ids"], w_gate, w_up, w_down, **options)
     return x
 
-  def fwd_bwd(x, weights, w_gate, w_up, w_down, d_y):
-    _, pullback = jax.vjp(stack, x, weights, w_gate, w_up, w_down)
-    return pullback(d_y)
+  def fwd_bwd(x, weights, w_gate, w_up, w_down, d_y):  # y too, as a training step uses it (layer.forward_backward)
+    y, pullback = jax.vjp(stack, x, weights, w_gate, w_up, w_down)
+    return y, pullback(d_y)
 
   args = (layer["x"], layer["weights"], layer["w_gate"], layer["w_up"], layer["w_down"], d_y)
   return jax.jit(fwd_bwd).lower(*args).compile().memory_analysis()
