@@ -52,12 +52,12 @@ def dense_layer(rows, w_gate, w_up, w_down):
 
 
 def forward_backward(layer, differentiable):
-  """g(*inputs, d_y) -> (y, gradients of <y, d_y> w.r.t. the inputs at positions ``differentiable``), y = layer(*inputs).
+  """g(*inputs, d_y) -> (y = layer(*inputs), gradients of <y, d_y> w.r.t. the inputs at positions ``differentiable``).
 
   y is returned, as a training step uses it. Dropped, it would let XLA remove the forward work that only y needs, and
   that work differs between the backends: the kittens backward takes the router weights' gradient from its dgrad
   epilogue and needs neither the forward's down GEMM nor its combine, the dense chain needs no last einsum, while the
-  references keep their down GEMM for d(weights). Until 2026-12-05 it was dropped (twenty-seventh session).
+  references keep their down GEMM for d(weights).
   """
   def run(*args):
     *inputs, d_y = args

@@ -51,12 +51,8 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _check_route_args(logits, top_k, score, bias, num_groups, top_groups):
-  if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
-    raise TypeError(f"logits must be an array, got {type(logits).__name__}")
-  if logits.ndim < 2:
+  if len(check_array("logits", logits, None, _FLOAT_DTYPES)) < 2:
     raise ValueError(f"logits must have shape [..., tokens, experts], got shape {logits.shape}")
-  if logits.dtype not in _FLOAT_DTYPES:
-    raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
   num_experts = logits.shape[-1]
   if not isinstance(top_k, int | np.integer) or isinstance(top_k, bool):
     raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
