@@ -37,8 +37,7 @@ def _check_num_rows(num_rows):
     raise ValueError(f"num_rows must be an int in [0, 2^31), got {num_rows!r}")
 
 
-def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax.Array | None = None,
-                poison_outputs: bool = False):
+def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax.Array | None = None):
   """Tokens into expert-major rows: ``x_rows[rows[t, j]] = x[t]``; padding rows are 0.
 
   Args:
@@ -46,8 +45,6 @@ def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax
     schedule: the routing's `Schedule` (rows [T, k], expert_offsets [E+1], tokens_per_expert [E]).
     num_rows: R, the static row count of the buffers (``jax_kittens.num_schedule_rows``).
     weights: optional [T, k] float32 router weights: also return them scattered to the rows (padding rows 0).
-    poison_outputs: fill the outputs with NaN before the kernel writes them (tests: a missed row shows up); the CPU
-      twin always does.
 
   Returns:
     x_rows [R, H] x.dtype, or (x_rows, row_weights [R] float32) when ``weights`` is given.
@@ -69,12 +66,12 @@ def gather_rows(x: jax.Array, schedule: Schedule, num_rows: int, *, weights: jax
   out_types = (jax.ShapeDtypeStruct((num_rows, x.shape[1]), x.dtype),
                jax.ShapeDtypeStruct((num_rows if with_row_weights else 0,), jnp.float32))
   x_rows, row_weights = _extension.ffi_call("jk_moe_gather", out_types, x, rows, weights, offsets, counts,
-                                            vmap_method="sequential", poison_outputs=bool(poison_outputs))
+                                            vmap_method="sequential")
   return (x_rows, row_weights) if with_row_weights else x_rows
 
 
-def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None, *, addend: jax.Array | None = None,
-            poison_outputs: bool = False) -> jax.Array:
+def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None, *,
+            addend: jax.Array | None = None) -> jax.Array:
   """Expert-major rows back to tokens: ``y[t] = addend[t] + sum_j weights[t, j] * values[rows[t, j]]``.
 
   The sum runs in float32 in slot order j = 0..k-1 (a fused multiply-add per slot, the addend last) and is rounded
@@ -86,7 +83,6 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
     rows: [T, k] int32 schedule rows.
     weights: optional [T, k] float32 per-slot weights (None: 1).
     addend: optional [T, H] values.dtype added to each token's sum (e.g. the shared experts' output).
-    poison_outputs: fill y with NaN before the kernel writes it (tests); the CPU twin always does.
 
   Returns:
     y: [T, H] values.dtype.
@@ -112,8 +108,7 @@ def combine(values: jax.Array, rows: jax.Array, weights: jax.Array | None = None
       raise ValueError(f"addend must be [T={num_tokens}, H={hidden}] {values.dtype}, got "
                        f"{addend.dtype}{tuple(addend.shape)}")
   out_type = jax.ShapeDtypeStruct((num_tokens, hidden), values.dtype)
-  return _extension.ffi_call("jk_moe_combine", out_type, values, rows, weights, addend, vmap_method="sequential",
-                             poison_outputs=bool(poison_outputs))
+  return _extension.ffi_call("jk_moe_combine", out_type, values, rows, weights, addend, vmap_method="sequential")
 
 
 def rows_of_slots(slot_values: jax.Array, rows: jax.Array, num_rows: int, *, fill=0) -> jax.Array:

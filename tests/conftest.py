@@ -1,4 +1,4 @@
-"""Test configuration: 8 host devices for the expert-parallel tests, and the `gpu` marker."""
+"""Test configuration: 8 host devices for the expert-parallel tests, poisoned kernel outputs, and the `gpu` marker."""
 
 import os
 
@@ -7,6 +7,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+# The CUDA handlers fill their outputs with NaN before their kernels run (csrc/ffi/ffi_util.h), so a missed element
+# fails the tests. Read once, at the first kernel call or build_info().
+os.environ["JAX_KITTENS_POISON_OUTPUTS"] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -30,5 +33,6 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
   info = jax_kittens.build_info()
   return (f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.device_count()}, "
-          f"jax_kittens cuda={info['cuda']} archs={info['cuda_archs']} nvshmem={info['nvshmem']}")
+          f"jax_kittens cuda={info['cuda']} archs={info['cuda_archs']} nvshmem={info['nvshmem']} "
+          f"poison_outputs={info['poison_outputs']}")
 

@@ -168,7 +168,7 @@ def numpy_combine(values, rows, weights, addend):
   return y
 
 
-def check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype, poison):
+def check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype):
   ids = np.asarray(random_ids(rng, num_tokens, top_k, num_experts, load))
   ids[rng.random(ids.shape) < 0.1] = num_experts  # some entries routed nowhere
   sched = routing.schedule(jnp.asarray(ids), num_experts, align=grouped_matmul.ROW_ALIGN)
@@ -176,13 +176,12 @@ def check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype, poi
   x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
   weights = rng.random((num_tokens, top_k)).astype(np.float32)
   x_dev = jnp.asarray(x, dtype)
-  x_rows, row_weights = permute.gather_rows(x_dev, sched, num_rows, weights=jnp.asarray(weights),
-                                            poison_outputs=poison)
+  x_rows, row_weights = permute.gather_rows(x_dev, sched, num_rows, weights=jnp.asarray(weights))
   rows = np.asarray(sched.rows)
   want_rows, want_weights = numpy_gather(np.asarray(x_dev.astype(jnp.float32)), rows, weights, num_rows)
   np.testing.assert_array_equal(np.asarray(x_rows.astype(jnp.float32)), want_rows)
   np.testing.assert_array_equal(np.asarray(row_weights), want_weights)
-  np.testing.assert_array_equal(np.asarray(permute.gather_rows(x_dev, sched, num_rows, poison_outputs=poison)),
+  np.testing.assert_array_equal(np.asarray(permute.gather_rows(x_dev, sched, num_rows)),
                                 np.asarray(x_rows))
   want_tokens = np.full(num_rows, -1, np.int32)
   for (t, _), r in np.ndenumerate(rows):
@@ -195,12 +194,11 @@ def check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype, poi
   values64, addend64 = as_f64(values), as_f64(addend)
   bound = 1e-6 if dtype == jnp.float32 else 2 ** -8  # one rounding of the float32 sum to the output dtype
   for w, a in ((weights, addend), (None, None)):
-    y = permute.combine(values, sched.rows, None if w is None else jnp.asarray(w), addend=None if a is None else a,
-                        poison_outputs=poison)
+    y = permute.combine(values, sched.rows, None if w is None else jnp.asarray(w), addend=None if a is None else a)
     assert y.dtype == dtype and y.shape == (num_tokens, hidden)
     want = numpy_combine(values64, rows, w, None if a is None else addend64)
     np.testing.assert_allclose(as_f64(y), want, rtol=bound, atol=bound * np.max(np.abs(want)))
-    again = permute.combine(values, sched.rows, None if w is None else jnp.asarray(w), addend=a, poison_outputs=poison)
+    again = permute.combine(values, sched.rows, None if w is None else jnp.asarray(w), addend=a)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(y))  # deterministic
   slots = permute.slots_of_rows(jnp.arange(num_rows, dtype=jnp.float32), sched.rows)
   np.testing.assert_array_equal(np.asarray(slots), np.where(rows >= 0, rows, 0).astype(np.float32))
@@ -213,7 +211,7 @@ def check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype, poi
     (130, 128, 16, 4, "skewed", jnp.bfloat16),
 ])
 def test_permutes_match_numpy(on_cpu, rng, num_tokens, hidden, num_experts, top_k, load, dtype):
-  check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype, poison=True)
+  check_permutes(rng, num_tokens, hidden, num_experts, top_k, load, dtype)
 
 
 def test_permute_argument_errors():
@@ -406,8 +404,8 @@ def _gpu():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_permutes_match_numpy(rng, dtype):
   with jax.default_device(_gpu()):
-    check_permutes(rng, 2048, 1024, 16, 4, "skewed", dtype, poison=True)
-    check_permutes(rng, 301, 1000, 8, 2, "one_expert", dtype, poison=True)  # H not a multiple of 8
+    check_permutes(rng, 2048, 1024, 16, 4, "skewed", dtype)
+    check_permutes(rng, 301, 1000, 8, 2, "one_expert", dtype)  # H not a multiple of 8
 
 
 @pytest.mark.gpu
@@ -426,8 +424,8 @@ def test_gpu_permutes_equal_cpu_twin(rng, top_k):
     with jax.default_device(device):
       sched = routing.schedule(jax.device_put(ids, device), 16, align=grouped_matmul.ROW_ALIGN)
       args = [jax.device_put(a, device) for a in (x, weights, values)]
-      x_rows, row_weights = permute.gather_rows(args[0], sched, num_rows, weights=args[1], poison_outputs=True)
-      y = permute.combine(args[2], sched.rows, args[1], addend=args[0], poison_outputs=True)
+      x_rows, row_weights = permute.gather_rows(args[0], sched, num_rows, weights=args[1])
+      y = permute.combine(args[2], sched.rows, args[1], addend=args[0])
       return [np.asarray(a.astype(jnp.float32)) for a in (x_rows, row_weights, y)]
 
   for got, want in zip(run(_gpu()), run(jax.devices("cpu")[0])):

@@ -2,7 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -19,6 +22,18 @@ inline int64_t leading_rows(ffi::Span<const int64_t> dims) {
 
 inline ffi::Error invalid_argument(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+}
+
+// Test switch, read once per process: with JAX_KITTENS_POISON_OUTPUTS set to anything but "" or "0" (tests/conftest.py
+// sets it), the CUDA handlers of the routing, permute and grouped-GEMM targets fill their results with all-ones bytes
+// (a NaN in bf16 and f32, -1 in int32) before their kernels run. An element a kernel misses then fails the tests,
+// instead of passing on whatever the allocator left there. The permute and grouped-GEMM CPU twins always do it.
+inline bool poison_outputs_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("JAX_KITTENS_POISON_OUTPUTS");
+    return value != nullptr && std::string(value) != "" && std::string(value) != "0";
+  }();
+  return enabled;
 }
 
 }  // namespace jk
@@ -52,4 +67,16 @@ inline ffi::Error cuda_error(cudaError_t status, const char* expr, const char* f
     cudaError_t jk_status_ = (expr);                                                   \
     if (jk_status_ != cudaSuccess) return ::jk::cuda_error(jk_status_, #expr, __FILE__, __LINE__); \
   } while (0)
+
+namespace jk {
+// The results' bytes set to 0xFF on the stream when poison_outputs_enabled(); a no-op otherwise.
+template <typename... Results>
+ffi::Error poison_results(cudaStream_t stream, const Results&... results) {
+  if (!poison_outputs_enabled()) return ffi::Error::Success();
+  for (const auto& [data, bytes] : {std::pair<void*, size_t>(results.untyped_data(), results.size_bytes())...}) {
+    if (bytes > 0) JK_CUDA_CHECK(cudaMemsetAsync(data, 0xFF, bytes, stream));
+  }
+  return ffi::Error::Success();
+}
+}  // namespace jk
 #endif

@@ -193,6 +193,7 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buff
   JK_FFI_CHECK(s.k1 > 0 && s.n > 0, "jk_gmm: K1 and N must be positive");
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *out));
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
   JK_FFI_RETURN_IF_ERROR(matrix_map(&maps.a, lhs.untyped_data(), s.rows, s.k1, kLhsBoxRows));
@@ -235,6 +236,7 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
                                           offsets.element_count(), sizes.element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *act, *gate_out, *up_out));
   if (s.rows == 0) return ffi::Error::Success();
   sm90::TensorMaps maps{};
   constexpr uint32_t kChunks = gg::kSwigluTileCols / 64;  // a tile's gate (and up) columns, one box each
@@ -280,6 +282,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                                          &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *d_gate, *d_up, *d_row_weights, *weighted_act));
   if (s.rows == 0) return ffi::Error::Success();
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
   // XLA's scratch allocator refuses alignments above its own 64 bytes: ask for the default.
@@ -342,6 +345,7 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buf
   JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *out));
   if (s.groups == 0 || s.k == 0 || s.n == 0) return ffi::Error::Success();
   int64_t n_blocks = gg::ceil_div(s.n, gg::kTileCols);
   int64_t tiles = s.groups * gg::ceil_div(s.k, sm90::kBlockM) * n_blocks;

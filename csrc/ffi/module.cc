@@ -2,6 +2,7 @@
 #include <string>
 #include <vector>
 
+#include "ffi/ffi_util.h"
 #include "ffi/registry.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -36,6 +37,7 @@ nb::dict build_info() {
   nb::dict info;
   info["version"] = JK_VERSION;
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
+  info["poison_outputs"] = poison_outputs_enabled();
 #ifdef JK_WITH_CUDA
   info["cuda"] = true;
   info["cuda_toolkit"] = JK_CUDA_VERSION;

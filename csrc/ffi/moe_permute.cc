@@ -19,8 +19,7 @@ void poison(void* data, size_t bytes) { std::memset(data, 0xFF, bytes); }
 
 ffi::Error GatherCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> weights,
                      ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> x_rows,
-                     ffi::ResultBuffer<ffi::F32> row_weights, bool poison_outputs) {
-  (void)poison_outputs;  // the twin always poisons
+                     ffi::ResultBuffer<ffi::F32> row_weights) {
   mp::GatherShape s;
   JK_FFI_RETURN_IF_ERROR(mp::gather_shape(x, rows.dimensions(), weights.element_count(), offsets.element_count(),
                                           counts.element_count(), *x_rows, row_weights->element_count(), &s));
@@ -62,8 +61,7 @@ void combine_rows(const mp::CombineShape& s, const T* values, const int32_t* row
 }
 
 ffi::Error CombineCpu(ffi::AnyBuffer values, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> weights,
-                      ffi::AnyBuffer addend, ffi::Result<ffi::AnyBuffer> y, bool poison_outputs) {
-  (void)poison_outputs;  // the twin always poisons
+                      ffi::AnyBuffer addend, ffi::Result<ffi::AnyBuffer> y) {
   mp::CombineShape s;
   JK_FFI_RETURN_IF_ERROR(mp::combine_shape(values, rows.dimensions(), weights.element_count(), addend, *y, &s));
   poison(y->untyped_data(), y->size_bytes());

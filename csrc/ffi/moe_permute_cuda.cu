@@ -11,21 +11,13 @@ namespace {
 
 namespace mp = moe_permute;
 
-// poison_outputs (tests): all-ones bytes, a NaN in bf16 and f32, so an element the kernel misses shows up.
-ffi::Error poison(bool poison_outputs, void* data, size_t bytes, cudaStream_t stream) {
-  if (poison_outputs && bytes > 0) JK_CUDA_CHECK(cudaMemsetAsync(data, 0xFF, bytes, stream));
-  return ffi::Error::Success();
-}
-
 ffi::Error GatherCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> weights,
                       ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> counts,
-                      ffi::Result<ffi::AnyBuffer> x_rows, ffi::ResultBuffer<ffi::F32> row_weights,
-                      bool poison_outputs) {
+                      ffi::Result<ffi::AnyBuffer> x_rows, ffi::ResultBuffer<ffi::F32> row_weights) {
   mp::GatherShape s;
   JK_FFI_RETURN_IF_ERROR(mp::gather_shape(x, rows.dimensions(), weights.element_count(), offsets.element_count(),
                                           counts.element_count(), *x_rows, row_weights->element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(poison(poison_outputs, x_rows->untyped_data(), x_rows->size_bytes(), stream));
-  JK_FFI_RETURN_IF_ERROR(poison(poison_outputs, row_weights->untyped_data(), row_weights->size_bytes(), stream));
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *x_rows, *row_weights));
   mp::GatherGlobals g{};
   g.x = x.untyped_data();
   g.rows = rows.typed_data();
@@ -58,11 +50,10 @@ ffi::Error combine_typed(cudaStream_t stream, const mp::CombineShape& s, ffi::An
 }
 
 ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> rows,
-                       ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer addend, ffi::Result<ffi::AnyBuffer> y,
-                       bool poison_outputs) {
+                       ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer addend, ffi::Result<ffi::AnyBuffer> y) {
   mp::CombineShape s;
   JK_FFI_RETURN_IF_ERROR(mp::combine_shape(values, rows.dimensions(), weights.element_count(), addend, *y, &s));
-  JK_FFI_RETURN_IF_ERROR(poison(poison_outputs, y->untyped_data(), y->size_bytes(), stream));
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *y));
   if (values.element_type() == ffi::F32) {
     return combine_typed<float>(stream, s, values, rows, weights, addend, *y);
   }

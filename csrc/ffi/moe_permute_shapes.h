@@ -73,8 +73,7 @@ auto moe_gather_signature(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<bool>("poison_outputs");
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 template <typename Binding>
@@ -84,8 +83,7 @@ auto moe_combine_signature(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<bool>("poison_outputs");
+      .template Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace jk

@@ -15,6 +15,7 @@ ffi::Error RouteCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi
   RouteShape shape;
   JK_FFI_RETURN_IF_ERROR(route_shape(logits, bias, top_k, num_groups, top_groups, &shape));
   routing::RouteParams p{shape.num_experts, top_k, score, renormalize, num_groups, top_groups, has_bias};
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *weights, *ids));
   if (logits.element_type() == ffi::F32) {
     JK_CUDA_CHECK(routing::launch_route(stream, static_cast<const float*>(logits.untyped_data()), bias.typed_data(),
                                         shape.tokens_per_bias_row, p, shape.tokens, weights->typed_data(),
@@ -32,6 +33,7 @@ ffi::Error ScheduleCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::ResultBuffer<ffi::S32> rows, int32_t num_experts, int32_t align) {
   JK_FFI_RETURN_IF_ERROR(check_schedule_shapes(ids, tokens_per_expert->element_count(), expert_offsets->element_count(),
                                                num_experts, align));
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *tokens_per_expert, *expert_offsets, *rows));
   int64_t entries = static_cast<int64_t>(ids.element_count());
   size_t scratch_bytes = static_cast<size_t>(routing::schedule_chunks(entries)) * num_experts * sizeof(int32_t);
   int32_t* chunk_counts = nullptr;
