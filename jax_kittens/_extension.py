@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import jax
 
@@ -28,18 +29,63 @@ def _register_targets() -> frozenset[tuple[str, str]]:
 REGISTERED_TARGETS = _register_targets()
 
 
+def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
+  """Whether machine code built for ``arch`` ("sm_90a", "sm_80") runs on a GPU of compute ``capability`` (9, 0).
+
+  Arch-specific code ("a": wgmma, setmaxnreg) runs only on its own capability; plain code on its major, from its
+  minor up. The build embeds no PTX, so nothing is compiled for other GPUs at load time.
+  """
+  match = re.fullmatch(r"sm_(\d+)(\d)(a?)", arch)
+  if match is None:
+    return False
+  built = (int(match[1]), int(match[2]))
+  return capability == built if match[3] else capability[0] == built[0] and capability[1] >= built[1]
+
+
 @functools.cache
+def cuda_unavailable_reason() -> str | None:
+  """None where the CUDA handlers run on every local GPU, else why not (completing "the CUDA kernels ...")."""
+  info = _jax_kittens.build_info()
+  if not info["cuda"]:
+    return "are not in this build (it found no CUDA toolkit; reinstall with JK_CUDA=ON)"
+  archs = list(info["cuda_archs"])
+  for device in jax.local_devices(backend="gpu"):
+    capability = getattr(device, "compute_capability", "")
+    match = re.fullmatch(r"(\d+)\.(\d+)", str(capability))
+    if match is None or not any(arch_runs_on(arch, (int(match[1]), int(match[2]))) for arch in archs):
+      return (f"are built for {', '.join(archs)}, which {device.device_kind} (GPU {device.id}, compute capability "
+              f"{capability or 'unknown'}) cannot run")
+  return None
+
+
+def default_platform() -> str:
+  """The platform that computations go to by default: `jax.default_device`'s where one is set, else JAX's default
+  backend ("cpu", "gpu", "tpu")."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.default_backend()
+  platform = device if isinstance(device, str) else device.platform
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def cuda_available() -> bool:
-  """True when the extension holds the CUDA handlers and JAX's default backend is a CUDA GPU."""
-  return bool(_jax_kittens.build_info()["cuda"]) and jax.default_backend() == "gpu"
+  """True when computations go to a GPU (`default_platform`) and the extension holds CUDA handlers that run on it."""
+  return default_platform() == "gpu" and cuda_unavailable_reason() is None
+
+
+def targets_by_default() -> bool:
+  """Whether backend="auto" of `route` and `schedule` picks their FFI targets: wherever they run (the CPU twins on
+  CPU, the CUDA handlers on the GPUs they were built for), unless JAX_KITTENS_AUTO=xla."""
+  runs = default_platform() == "cpu" or cuda_available()
+  return runs and os.environ.get("JAX_KITTENS_AUTO", "") != "xla"
 
 
 def kittens_by_default(*, expert_parallel: bool = False) -> bool:
   """Whether backend="auto" of the MoE layer and of ragged_dot picks the kittens kernels.
 
-  Where they run (CUDA build, GPU backend). The single-device kernels pass the GPU test suite (README, "Status");
-  expert parallelism over several GPUs has not run yet, so under ``axis_name`` "auto" means xla unless
-  JAX_KITTENS_AUTO=kittens. JAX_KITTENS_AUTO=xla makes "auto" mean xla everywhere.
+  Where they run (a GPU the CUDA handlers were built for). The single-device kernels pass the GPU test suite
+  (README, "Status"); expert parallelism over several GPUs has not run yet, so under ``axis_name`` "auto" means xla
+  unless JAX_KITTENS_AUTO=kittens. JAX_KITTENS_AUTO=xla makes "auto" mean xla everywhere.
   """
   choice = os.environ.get("JAX_KITTENS_AUTO", "")
   if choice == "xla" or not cuda_available():
@@ -65,8 +111,12 @@ def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, 
 
   Under shard_map an FFI call's results come back typed invariant whatever its operands are; XLA's own ops infer
   varying results, and autodiff (custom_vjp / custom_jvp) checks that tangents and cotangents match, so every
-  jax_kittens op calls its targets through here.
+  jax_kittens op calls its targets through here. On a GPU whose CUDA handlers were not built, it raises at trace
+  time instead of failing at the launch.
   """
+  if default_platform() == "gpu" and (reason := cuda_unavailable_reason()) is not None:
+    raise ValueError(f"{target}: the jax_kittens CUDA kernels {reason}; use backend='xla' (or 'auto', which picks it "
+                     f"there)")
   results = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)(*operands, **attrs)
   if isinstance(results, (tuple, list)):
     return type(results)(varying_like(r, *operands) for r in results)

@@ -47,7 +47,9 @@ def num_schedule_rows(num_entries: int, num_experts: int, align: int = 1) -> int
 def _resolve_backend(backend: str) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  return "kittens" if backend == "auto" else backend
+  if backend == "auto":
+    return "kittens" if _extension.targets_by_default() else "xla"
+  return backend
 
 
 def _check_route_args(logits, top_k, score, bias, num_groups, top_groups):
@@ -176,7 +178,8 @@ def route(logits: jax.Array, top_k: int, *, score: str = "softmax", bias: jax.Ar
     renormalize: divide the k chosen weights by their sum.
     num_groups, top_groups: group-limited routing: experts form ``num_groups`` contiguous groups, each scored by the sum
       of its two best selection scores, and only the ``top_groups`` best groups can be chosen.
-    backend: "kittens" (FFI: CUDA kernel on GPU, CPU twin on CPU), "xla" (pure JAX) or "auto" (kittens).
+    backend: "kittens" (FFI: CUDA kernel on GPU, CPU twin on CPU), "xla" (pure JAX) or "auto" (kittens where its
+      targets run: on CPU, or on a GPU the CUDA kernels were built for; else, or with JAX_KITTENS_AUTO=xla, xla).
 
   Returns:
     weights: [..., T, top_k] float32, best expert first; differentiable w.r.t. ``logits``.
@@ -219,7 +222,7 @@ def schedule(ids: jax.Array, num_experts: int, *, align: int = 1, backend: str =
     ids: [T, k] int32 expert ids (any shape; entries are taken in row-major (token, slot) order).
     num_experts: E, the experts scheduled; ids outside [0, E) are not placed (row -1).
     align: each expert's first row is a multiple of this (pad groups to the GEMM tile).
-    backend: "kittens" (FFI), "xla" (pure JAX) or "auto" (kittens).
+    backend: "kittens" (FFI), "xla" (pure JAX) or "auto" (as `route`'s).
 
   Returns:
     A `Schedule`; the rows it uses are bounded by ``num_schedule_rows(ids.size, num_experts, align)``.

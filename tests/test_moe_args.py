@@ -1,12 +1,15 @@
 """The public `moe_ffn`: argument validation, backend resolution and the "xla" path."""
 
+import re
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_kittens import _extension, moe, reference
+from jax_kittens import _extension, grouped_matmul, moe, reference, routing
 from moe_oracle import random_layer
 
 T, H, I, E, K = 9, 8, 6, 4, 2
@@ -135,6 +138,58 @@ def test_auto_on_a_gpu_follows_jax_kittens_auto(monkeypatch, choice, single_devi
     monkeypatch.setenv("JAX_KITTENS_AUTO", choice)
   assert _extension.kittens_by_default() == single_device
   assert _extension.kittens_by_default(expert_parallel=True) == expert_parallel
+
+
+@pytest.mark.parametrize("arch,capability,runs", [
+    ("sm_90a", (9, 0), True), ("sm_90a", (10, 0), False), ("sm_90a", (8, 0), False), ("sm_100a", (10, 0), True),
+    ("sm_80", (8, 6), True), ("sm_86", (8, 0), False), ("sm_80", (9, 0), False), ("compute_90a", (9, 0), False)])
+def test_arch_runs_on(arch, capability, runs):
+  assert _extension.arch_runs_on(arch, capability) is runs
+
+
+@pytest.mark.parametrize("cuda,capability,words", [
+    (True, "9.0", None),
+    (True, "8.0", "are built for sm_90a, which NVIDIA A100-SXM4-80GB (GPU 0, compute capability 8.0) cannot run"),
+    (True, "10.0", "compute capability 10.0"),
+    (False, "9.0", "are not in this build")])
+def test_cuda_unavailable_reason_names_the_gpu(monkeypatch, cuda, capability, words):
+  monkeypatch.setattr(_extension._jax_kittens, "build_info", lambda: {"cuda": cuda, "cuda_archs": ["sm_90a"]})
+  gpu = types.SimpleNamespace(compute_capability=capability, device_kind="NVIDIA A100-SXM4-80GB", id=0)
+  monkeypatch.setattr(jax, "local_devices", lambda backend=None: [gpu])
+  reason = _extension.cuda_unavailable_reason.__wrapped__()  # uncached: the real devices stay cached
+  assert reason is None if words is None else words in reason
+
+
+def test_on_a_gpu_without_its_kernels_auto_is_xla_and_kittens_raises(monkeypatch):
+  """An A100 or a Blackwell with this sm_90a build, or a GPU machine whose build found no CUDA: "auto" goes to xla
+  everywhere (routing included), and an explicit backend="kittens" raises at trace time, naming the GPU."""
+  reason = "are built for sm_90a, which NVIDIA B200 (GPU 0, compute capability 10.0) cannot run"
+  monkeypatch.setattr(_extension, "default_platform", lambda: "gpu")
+  monkeypatch.setattr(_extension, "cuda_available", lambda: False)
+  monkeypatch.setattr(_extension, "cuda_unavailable_reason", lambda: reason)
+  monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
+  assert moe.resolve_backend("auto") == "xla"
+  layer = _layer()
+  np.testing.assert_array_equal(_call(layer), _call(layer, backend="xla"))
+  logits = jnp.asarray(np.random.default_rng(1).standard_normal((T, E)), jnp.float32)
+  for got, want in zip(routing.route(logits, K), routing.route(logits, K, backend="xla")):
+    np.testing.assert_array_equal(got, want)
+  ids = routing.route(logits, K)[1]
+  for got, want in zip(routing.schedule(ids, E, align=4), routing.schedule(ids, E, align=4, backend="xla")):
+    np.testing.assert_array_equal(got, want)
+  lhs, rhs = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16)
+  np.testing.assert_array_equal(grouped_matmul.ragged_dot(lhs, rhs, jnp.asarray([3, 5], jnp.int32)),
+                                jax.lax.ragged_dot(lhs, rhs, jnp.asarray([3, 5], jnp.int32)))
+  words = re.escape("the jax_kittens CUDA kernels " + reason)
+  with pytest.raises(ValueError, match="jk_route: " + words):
+    routing.route(logits, K, backend="kittens")
+  with pytest.raises(ValueError, match="jk_gmm: " + words):
+    grouped_matmul.ragged_dot(lhs, rhs, jnp.asarray([3, 5], jnp.int32), backend="kittens")
+  bf16 = {name: jnp.zeros((T, 64) if name == "x" else (E, 64, 64), jnp.bfloat16) for name in
+          ("x", "w_gate", "w_up", "w_down")}
+  with pytest.raises(ValueError, match=words):
+    moe.moe_ffn(bf16["x"], layer["weights"], layer["ids"], bf16["w_gate"], bf16["w_up"], bf16["w_down"],
+                backend="kittens")
 
 
 def test_xla_backend_is_the_reference_and_recompute_keeps_gradients():

@@ -167,11 +167,10 @@ def moe_layer(config: MoEConfig, params: dict[str, jax.Array], router_bias: jax.
   lead_shape = x.shape[:-1]
   tokens = x.reshape(-1, config.hidden).astype(config.dtype)
   logits = jnp.dot(tokens.astype(jnp.float32), params["router"].astype(jnp.float32))
-  # By default the router follows the layer's backend so that backend="xla" is pure JAX end to end.
-  route_backend = "xla" if config.backend == "xla" else "kittens"
+  # The router follows the layer's backend, so that backend="xla" is pure JAX end to end.
   bias = router_bias if config.score == "sigmoid" else None
   weights, ids = routing.route(logits, config.top_k, score=config.score, bias=bias,
-                               renormalize=config.renormalize, backend=route_backend)
+                               renormalize=config.renormalize, backend=config.backend)
   shared = None
   if config.shared_intermediate is not None:
     shared = tuple(params[name].astype(config.dtype) for name in ("shared_w_gate", "shared_w_up", "shared_w_down"))
