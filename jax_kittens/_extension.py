@@ -1,4 +1,4 @@
-"""Loads the compiled extension and registers its FFI targets with JAX."""
+"""Loads the compiled extension, registers its FFI targets with JAX, and says where they run (what "auto" picks)."""
 
 from __future__ import annotations
 
