@@ -111,12 +111,16 @@ def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, 
 
   Under shard_map an FFI call's results come back typed invariant whatever its operands are; XLA's own ops infer
   varying results, and autodiff (custom_vjp / custom_jvp) checks that tangents and cotangents match, so every
-  jax_kittens op calls its targets through here. On a GPU whose CUDA handlers were not built, it raises at trace
-  time instead of failing at the launch.
+  jax_kittens op calls its targets through here. Where its targets do not run (a GPU the CUDA handlers were not
+  built for, a platform other than CPU and GPU), it raises at trace time instead of failing at the launch.
   """
-  if default_platform() == "gpu" and (reason := cuda_unavailable_reason()) is not None:
+  platform = default_platform()
+  if platform == "gpu" and (reason := cuda_unavailable_reason()) is not None:
     raise ValueError(f"{target}: the jax_kittens CUDA kernels {reason}; use backend='xla' (or 'auto', which picks it "
                      f"there)")
+  if platform not in ("cpu", "gpu"):
+    raise ValueError(f"{target}: jax_kittens runs on CPUs and NVIDIA GPUs, not on {platform}; use backend='xla' (or "
+                     f"'auto', which picks it there)")
   results = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)(*operands, **attrs)
   if isinstance(results, (tuple, list)):
     return type(results)(varying_like(r, *operands) for r in results)

@@ -192,6 +192,17 @@ def test_on_a_gpu_without_its_kernels_auto_is_xla_and_kittens_raises(monkeypatch
                 backend="kittens")
 
 
+def test_on_another_platform_auto_is_xla_and_kittens_raises(monkeypatch):
+  monkeypatch.setattr(_extension, "default_platform", lambda: "tpu")
+  monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
+  assert moe.resolve_backend("auto") == "xla"
+  logits = jnp.asarray(np.random.default_rng(1).standard_normal((T, E)), jnp.float32)
+  for got, want in zip(routing.route(logits, K), routing.route(logits, K, backend="xla")):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="jk_route: jax_kittens runs on CPUs and NVIDIA GPUs, not on tpu"):
+    routing.route(logits, K, backend="kittens")
+
+
 def test_xla_backend_is_the_reference_and_recompute_keeps_gradients():
   rng = np.random.default_rng()
   layer = random_layer(rng, 23, H, I, E, K, load="skewed", shared=5)
