@@ -73,11 +73,20 @@ def cuda_available() -> bool:
   return default_platform() == "gpu" and cuda_unavailable_reason() is None
 
 
+def targets_unavailable_reason() -> str | None:
+  """None where the FFI targets run on the default platform (the CPU twins on CPU, the CUDA handlers on the GPUs
+  they were built for), else why not."""
+  platform = default_platform()
+  if platform == "gpu":
+    reason = cuda_unavailable_reason()
+    return None if reason is None else f"the jax_kittens CUDA kernels {reason}"
+  return None if platform == "cpu" else f"jax_kittens runs on CPUs and NVIDIA GPUs, not on {platform}"
+
+
 def targets_by_default() -> bool:
-  """Whether backend="auto" of `route` and `schedule` picks their FFI targets: wherever they run (the CPU twins on
-  CPU, the CUDA handlers on the GPUs they were built for), unless JAX_KITTENS_AUTO=xla."""
-  runs = default_platform() == "cpu" or cuda_available()
-  return runs and os.environ.get("JAX_KITTENS_AUTO", "") != "xla"
+  """Whether backend="auto" of `route` and `schedule` picks their FFI targets: wherever they run, unless
+  JAX_KITTENS_AUTO=xla."""
+  return targets_unavailable_reason() is None and os.environ.get("JAX_KITTENS_AUTO", "") != "xla"
 
 
 def kittens_by_default(*, expert_parallel: bool = False) -> bool:
@@ -114,13 +123,8 @@ def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, 
   jax_kittens op calls its targets through here. Where its targets do not run (a GPU the CUDA handlers were not
   built for, a platform other than CPU and GPU), it raises at trace time instead of failing at the launch.
   """
-  platform = default_platform()
-  if platform == "gpu" and (reason := cuda_unavailable_reason()) is not None:
-    raise ValueError(f"{target}: the jax_kittens CUDA kernels {reason}; use backend='xla' (or 'auto', which picks it "
-                     f"there)")
-  if platform not in ("cpu", "gpu"):
-    raise ValueError(f"{target}: jax_kittens runs on CPUs and NVIDIA GPUs, not on {platform}; use backend='xla' (or "
-                     f"'auto', which picks it there)")
+  if (reason := targets_unavailable_reason()) is not None:
+    raise ValueError(f"{target}: {reason}; use backend='xla' (or 'auto', which picks it there)")
   results = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)(*operands, **attrs)
   if isinstance(results, (tuple, list)):
     return type(results)(varying_like(r, *operands) for r in results)
