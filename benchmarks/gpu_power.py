@@ -109,14 +109,15 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", default="kimi-k2", help="comma-separated model shapes")
   parser.add_argument("--cases", default=",".join(gemm_counters.CASES), help="comma-separated gemm_counters cases")
-  parser.add_argument("--routing", default="uniform", help=f"one of {common.ROUTINGS}")
+  parser.add_argument("--routings", default="uniform", help=f"comma-separated, of {common.ROUTINGS}")
   parser.add_argument("--seconds", type=float, default=5.0, help="measured time per case (after 1 s of warm-up)")
   parser.add_argument("--nvidia-smi", default="nvidia-smi")
   parser.add_argument("--out-dir", default=common.RESULTS_DIR)
   args = parser.parse_args()
   fields = query_fields(args.nvidia_smi)
   os.makedirs(args.out_dir, exist_ok=True)
-  runs = [(name, args.routing, case) for name in args.shapes.split(",") for case in args.cases.split(",")]
+  runs = [(name, routing, case) for name in args.shapes.split(",") for routing in args.routings.split(",")
+          for case in args.cases.split(",")]
 
   def profile(case, name, routing):
     return {"shape": name, **measure_case(case, common.MODEL_SHAPES[name], common.NUM_TOKENS, routing, args.seconds,
