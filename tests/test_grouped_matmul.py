@@ -297,6 +297,22 @@ def test_tgmm(out_dtype, sizes):
     assert np.all(f64(out)[g] == 0)
 
 
+@pytest.mark.parametrize("n", [512, 768])  # two 256-column blocks (cluster pairs on the GPU), three (none)
+def test_tgmm_output_rows_in_bands(n):
+  """More than 16 output row tiles per group (K = 2176: 17, cut into bands of 9 + 8), the tiles in band order; the
+  CPU twin checks that tiles 2j and 2j + 1 are a cluster's pair."""
+  rng = np.random.default_rng(n + 1)
+  sizes = [40, 0, 70]
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+  lhs, rhs = bf16(rng, sum(sizes), 2176), bf16(rng, sum(sizes), n)
+  out = gm.tgmm(lhs, rhs, offsets, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32)
+  ref = np.zeros((3, 2176, n))
+  for g, r in data_rows_of(np.asarray(offsets), sizes):
+    ref[g] += np.outer(f64(lhs[r]), f64(rhs[r]))
+  assert rel_err(out, ref) < BF16_TOL
+  assert np.all(f64(out)[1] == 0)
+
+
 @pytest.mark.parametrize("case", ["skewed", "all_in_one", "with_empty", "short"])
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_ragged_dot_matches_lax(case, out_dtype):
@@ -633,7 +649,8 @@ def gmm_gpu_reference(lhs, rhs, offsets, sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n,out_dtype", [(2048, 1024, jnp.float32), (1088, 1408, jnp.bfloat16),
+# K = 2176: 17 output row tiles per group, in bands of 9 + 8
+@pytest.mark.parametrize("k,n,out_dtype", [(2176, 1024, jnp.float32), (1088, 1408, jnp.bfloat16),
                                            (960, 576, jnp.bfloat16)])
 def test_gpu_tgmm(k, n, out_dtype):
   rng = np.random.default_rng(13)

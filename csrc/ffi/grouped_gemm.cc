@@ -268,9 +268,17 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tok
   GroupLayout layout = layout_of(offsets, sizes, s.groups, s.rows);
   constexpr int kM = gg::kTileRows, kN = gg::kTileCols;
   std::vector<float> acc(kM * kN);
-  gg::ContractionTile tile;
+  gg::ContractionTile tile, pair_first;
+  const bool clusters = gg::ceil_div(s.n, kN) % 2 == 0;  // the launch's condition (ffi/grouped_gemm_cuda.cu)
   for (int32_t t = 0;
        gg::contraction_tile<kM, kN>(layout, static_cast<int32_t>(s.k), static_cast<int32_t>(s.n), t, &tile); ++t) {
+    if (t % 2 == 0) {
+      pair_first = tile;
+    } else if (clusters) {
+      JK_FFI_CHECK(tile.group == pair_first.group && tile.m0 == pair_first.m0 && tile.n0 == pair_first.n0 + kN &&
+                       tile.n0 / kN % 2 == 1,
+                   "contraction tiles: tiles 2j and 2j + 1 must be one cluster's pair");
+    }
     int32_t m1 = std::min<int32_t>(tile.m0 + kM, s.k), n1 = std::min<int32_t>(tile.n0 + kN, s.n);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t r = tile.row0; r < tile.row0 + tile.valid; ++r) {

@@ -46,6 +46,48 @@ JK_HOST_DEVICE RowExtent row_extent(const GroupLayout& l, int32_t g) {
 
 JK_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Band order, the tile order of every kernel here: tile `local` of an m_blocks x n_blocks grid of output tiles ->
+// its (m block, n block). The m blocks are cut into bands of at most kMaxBandBlocks (balanced: 20 blocks make two
+// bands of 10), and a band's tiles run m fastest, in n pairs: (m0, n0), (m0, n1), (m1, n0), (m1, n1), ..., (m0, n2),
+// (m0, n3), ...
+// - Why bands, m fastest: the ~132 CTAs running at one time then cover about 16 m blocks x 8 n blocks, the window
+//   that reads the fewest operand bytes per k step (a tile reads 128 lhs lines and 256 rhs lines: 16 x 128 + 8 x 256
+//   is the least of a x 128 + b x 256 with a x b = 132). Each weight (rhs) n block is shared by all the band's m
+//   blocks while the band's rows stay in L2 across its n blocks. tgmm's large groups need it too: ordered n fastest
+//   over a whole group, the window was 5 m blocks x all 28 n blocks of deepseek-v4's dW_down, and every wave re-read
+//   the group's dy from DRAM (17% more time under skewed routing than uniform, twenty-ninth session). This only holds
+//   while the tiles in flight are a contiguous run of the order, which the kernels' tile queue keeps
+//   (kernels/sm90/grouped_gemm.cuh).
+// - Why n pairs: a 2-CTA cluster claims tiles 2j and 2j + 1 together, which must share their lhs (rows, or tgmm's
+//   output rows), for the lhs multicast. With an even n-block count every band has an even tile count, so 2j is
+//   always a pair's first tile. With an odd count there are no clusters, and pairs are single tiles.
+constexpr int32_t kMaxBandBlocks = 16;
+
+struct GridBlock {
+  int32_t m_block;
+  int32_t n_block;
+};
+
+JK_HOST_DEVICE GridBlock band_order(int32_t local, int32_t m_blocks, int32_t n_blocks) {
+  const int32_t pair = n_blocks % 2 == 0 ? 2 : 1;
+  const int32_t bands = (m_blocks + kMaxBandBlocks - 1) / kMaxBandBlocks;
+  // Bands b < extra are one block taller than the rest: band b starts at m block b * short_height + min(b, extra).
+  const int32_t short_height = m_blocks / bands, extra = m_blocks % bands;
+  const int32_t tall_tiles = extra * (short_height + 1) * n_blocks;
+  int32_t band, height;
+  if (local < tall_tiles) {
+    height = short_height + 1;
+    band = local / (height * n_blocks);
+  } else {
+    height = short_height;
+    band = extra + (local - tall_tiles) / (height * n_blocks);
+  }
+  const int32_t band_first_block = band * short_height + (band < extra ? band : extra);
+  const int32_t in_band = local - band_first_block * n_blocks;
+  const int32_t pair_index = in_band / pair;  // over (n pair, m block), m fastest
+  return {band_first_block + pair_index % height, pair_index / height * pair + in_band % pair};
+}
+
 // One output tile of a row-grouped GEMM (gmm, gmm_swiglu, gmm_swiglu_dgrad): rows [row0, row0 + written) of
 // pseudo-group `group`, of which the first `valid` hold data (the rest are written as 0), and columns
 // [n0, n0 + block_n).
@@ -58,38 +100,25 @@ struct RowTile {
   int32_t n0;
 };
 
-// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile, the pseudo-groups in order. Within one,
-// the m blocks are cut into bands of at most kMaxBandBlocks (balanced: 20 blocks make two bands of 10), and a band's
-// tiles run m fastest, in n pairs: (m0, n0), (m0, n1), (m1, n0), (m1, n1), ..., (m0, n2), (m0, n3), ...
-// - Why m fastest: the CTAs running at one time then share each weight n block between all the band's m blocks,
-//   while the band's rows (at most 16 x 128 of them) stay in L2 across its n blocks. This only holds while the tiles
-//   in flight are a contiguous run of the order, which the kernels' tile queue keeps (kernels/sm90/grouped_gemm.cuh).
-// - Why n pairs: a 2-CTA cluster claims tiles 2j and 2j + 1 together, which must share their rows, for the lhs
-//   multicast. With an even n-block count every band has an even tile count, so 2j is always a pair's first tile.
-//   With an odd count there are no clusters, and pairs are single tiles.
-// The kernels' CTAs claim increasing t from a counter; the CPU twins walk every t, so CI covers the same
+// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile, the pseudo-groups in order, each in band
+// order. The kernels' CTAs claim increasing t from a counter; the CPU twins walk every t, so CI covers the same
 // decomposition. Queries must come with nondecreasing t (a forward-only cursor over the pseudo-groups).
 template <int kBlockM, int kBlockN>
 struct RowTileScheduler {
-  static constexpr int32_t kMaxBandBlocks = 16;
   int32_t n_blocks;
-  int32_t pair;                  // n blocks per pair: 2 when n_blocks is even, else 1
   int32_t group = 0;             // pseudo-group holding the next tile
   int32_t group_first_tile = 0;  // its first linear tile
   int32_t group_tiles = 0;
   int32_t m_blocks = 0;          // of the pseudo-group
-  int32_t bands = 0;
   RowExtent extent{0, 0, 0};
 
-  JK_HOST_DEVICE RowTileScheduler(const GroupLayout& l, int32_t n)
-      : n_blocks((n + kBlockN - 1) / kBlockN), pair(n_blocks % 2 == 0 ? 2 : 1) {
+  JK_HOST_DEVICE RowTileScheduler(const GroupLayout& l, int32_t n) : n_blocks((n + kBlockN - 1) / kBlockN) {
     enter_group(l);
   }
 
   JK_HOST_DEVICE void enter_group(const GroupLayout& l) {
     extent = row_extent(l, group);
     m_blocks = (extent.end - extent.begin + kBlockM - 1) / kBlockM;
-    bands = (m_blocks + kMaxBandBlocks - 1) / kMaxBandBlocks;
     group_tiles = m_blocks * n_blocks;
   }
 
@@ -101,24 +130,10 @@ struct RowTileScheduler {
       ++group;
       enter_group(l);
     }
-    // Bands b < extra are one block taller than the rest: band b starts at m block b * short_height + min(b, extra).
-    const int32_t short_height = m_blocks / bands, extra = m_blocks % bands;
-    const int32_t tall_tiles = extra * (short_height + 1) * n_blocks;
-    int32_t local = t - group_first_tile, band, height;
-    if (local < tall_tiles) {
-      height = short_height + 1;
-      band = local / (height * n_blocks);
-    } else {
-      height = short_height;
-      band = extra + (local - tall_tiles) / (height * n_blocks);
-    }
-    const int32_t band_first_block = band * short_height + (band < extra ? band : extra);
-    const int32_t in_band = local - (band_first_block * n_blocks);
-    const int32_t pair_index = in_band / pair;  // over (n pair, m block), m fastest
-    const int32_t m_block = band_first_block + pair_index % height;
-    tile->n_block = pair_index / height * pair + in_band % pair;
+    const GridBlock block = band_order(t - group_first_tile, m_blocks, n_blocks);
+    tile->n_block = block.n_block;
     tile->group = group;
-    tile->row0 = extent.begin + m_block * kBlockM;
+    tile->row0 = extent.begin + block.m_block * kBlockM;
     int32_t valid = extent.data_end - tile->row0;
     tile->valid = valid < 0 ? 0 : (valid > kBlockM ? kBlockM : valid);
     int32_t written = extent.end - tile->row0;
@@ -129,7 +144,7 @@ struct RowTileScheduler {
 };
 
 // tgmm tiles: out[group][m0 : m0 + block_m, n0 : n0 + block_n], contracting the group's data rows
-// [row0, row0 + valid). Every group has the same number of tiles.
+// [row0, row0 + valid). Every group has the same number of tiles, in band order.
 struct ContractionTile {
   int32_t group;
   int32_t row0;
@@ -141,17 +156,17 @@ struct ContractionTile {
 template <int kBlockM, int kBlockN>
 JK_HOST_DEVICE bool contraction_tile(const GroupLayout& l, int32_t m_extent, int32_t n, int32_t t,
                                      ContractionTile* tile) {
-  int32_t n_blocks = (n + kBlockN - 1) / kBlockN;
-  int32_t per_group = (m_extent + kBlockM - 1) / kBlockM * n_blocks;
+  const int32_t m_blocks = (m_extent + kBlockM - 1) / kBlockM, n_blocks = (n + kBlockN - 1) / kBlockN;
+  const int32_t per_group = m_blocks * n_blocks;
   if (t >= per_group * l.groups) return false;
-  int32_t g = t / per_group;
-  int32_t local = t - g * per_group;
-  RowExtent e = row_extent(l, g);
+  const int32_t g = t / per_group;
+  const RowExtent e = row_extent(l, g);
+  const GridBlock block = band_order(t - g * per_group, m_blocks, n_blocks);
   tile->group = g;
   tile->row0 = e.begin;
   tile->valid = e.data_end - e.begin;
-  tile->m0 = local / n_blocks * kBlockM;
-  tile->n0 = local % n_blocks * kBlockN;
+  tile->m0 = block.m_block * kBlockM;
+  tile->n0 = block.n_block * kBlockN;
   return true;
 }
 
