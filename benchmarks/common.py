@@ -64,18 +64,31 @@ def parse_args(description: str) -> argparse.Namespace:
   parser.add_argument("--out-dir", default=None, help=f"where results go (default {RESULTS_DIR}; a temp dir with "
                       "--smoke)")
   parser.add_argument("--only", default=None, help="comma-separated backends to run (default: all)")
-  parser.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: all)")
+  add_shapes_argument(parser)
   args = parser.parse_args()
   if args.smoke:
     args.iters, args.min_iters = min(args.iters, 3), 1
     args.out_dir = args.out_dir or os.path.join("/tmp", "jax_kittens_benchmarks")
   args.out_dir = args.out_dir or RESULTS_DIR
   args.only = None if args.only is None else set(args.only.split(","))
-  args.shapes = None if args.shapes is None else args.shapes.split(",")
-  every = SMOKE_SHAPES if args.smoke else MODEL_SHAPES
-  if set(args.shapes or ()) - set(every):
-    parser.error(f"--shapes: unknown {sorted(set(args.shapes) - set(every))}; choose from {sorted(every)}")
+  args.model_shapes = selected_shapes(parser, args)
   return args
+
+
+def add_shapes_argument(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: all); the "
+                      "results then go to a file of their own")
+
+
+def selected_shapes(parser: argparse.ArgumentParser, args) -> dict[str, ModelShape]:
+  """The model shapes to run: all (the smoke ones with --smoke), or those named by --shapes."""
+  every = SMOKE_SHAPES if args.smoke else MODEL_SHAPES
+  if args.shapes is None:
+    return every
+  names = args.shapes.split(",")
+  if set(names) - set(every):
+    parser.error(f"--shapes: unknown {sorted(set(names) - set(every))}; choose from {sorted(every)}")
+  return {name: every[name] for name in names}
 
 
 def gpu_tag() -> str:
@@ -96,14 +109,7 @@ def results_name(table: str, args, backends: Sequence[str] = ()) -> str:
   layer_h200_deepseek-v4): it must not replace the full run's."""
   only, subset = getattr(args, "only", None), getattr(args, "shapes", None)
   return (f"{table}_{'smoke' if args.smoke else gpu_tag()}" + ("" if only is None else "_" + "_".join(backends)) +
-          ("" if subset is None else "_" + "_".join(subset)))
-
-
-def shapes(args) -> dict[str, ModelShape]:
-  """The model shapes to run: all (or the smoke ones), or those named by --shapes."""
-  every = SMOKE_SHAPES if args.smoke else MODEL_SHAPES
-  subset = getattr(args, "shapes", None)
-  return every if subset is None else {name: every[name] for name in subset}
+          ("" if subset is None else "_" + subset.replace(",", "_")))
 
 
 def num_tokens(args) -> int:

@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes and few runs: checks the script anywhere")
   parser.add_argument("--heap", choices=("cuda", "nvshmem", "all"), default="cuda",
                       help="heap backend: single-process GPUs (cuda), one process per GPU (nvshmem), or both")
-  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  common.add_shapes_argument(parser)
   parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
   parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default 8192; smoke 200)")
   parser.add_argument("--capacity-factor", type=float, default=2.0,
@@ -78,6 +78,7 @@ def parse_args() -> argparse.Namespace:
   args.out_dir = args.out_dir or common.RESULTS_DIR
   args.only = None if args.only is None else set(args.only.split(","))
   args.modes = args.modes.split(",")
+  args.model_shapes = common.selected_shapes(parser, args)
   return args
 
 
@@ -283,9 +284,7 @@ def _add_speedups(rows):
 
 
 def measure_all(args, mesh, heap, heap_name) -> list[dict]:
-  shapes = common.shapes(args)
-  if args.shapes:
-    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  shapes = args.model_shapes
   rows = []
   for name, shape in shapes.items():
     for routing in common.ROUTINGS:
@@ -295,9 +294,7 @@ def measure_all(args, mesh, heap, heap_name) -> list[dict]:
 
 def heap_bytes(args) -> int:
   """Region size for the largest shape: two areas of T*k rows of H bf16 values."""
-  shapes = common.shapes(args)
-  if args.shapes:
-    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  shapes = args.model_shapes
   tokens = args.tokens or common.num_tokens(args)
   area = max(tokens * s.top_k * s.hidden * 2 for s in shapes.values())
   return symmetric_heap.region_bytes_for(area)

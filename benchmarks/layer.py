@@ -143,7 +143,7 @@ def main():
     print(tokamax[1], flush=True)
   rows, memory = [], []
   start = time.perf_counter()
-  for name, shape in common.shapes(args).items():
+  for name, shape in args.model_shapes.items():
     shape_rows, shape_memory = benchmark_shape(name, shape, common.num_tokens(args), backends, tokamax, args)
     rows += shape_rows
     memory += shape_memory

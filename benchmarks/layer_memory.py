@@ -101,12 +101,10 @@ def measure_case(name, shape, num_tokens, num_layers, recompute):
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, any platform")
-  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  common.add_shapes_argument(parser)
   parser.add_argument("--out-dir", default=None, help=f"default {common.RESULTS_DIR}; a temp dir with --smoke")
   args = parser.parse_args()
-  shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
-  if args.shapes:
-    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  shapes = common.selected_shapes(parser, args)
   num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
   meta = common.metadata()
   print(f"layer memory: {meta}", flush=True)

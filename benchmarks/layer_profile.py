@@ -94,19 +94,14 @@ def profile_shape(name, shape, num_tokens, *, warmup, calls, top):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, any platform")
-  parser.add_argument("--shapes", default=None, help="comma-separated model shapes (default: all)")
+  common.add_shapes_argument(parser)
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--calls", type=int, default=5, help="traced calls")
   parser.add_argument("--top", type=int, default=12, help="ops and kernels listed per row")
   parser.add_argument("--out-dir", default=None, help=f"default {common.RESULTS_DIR}; a temp dir with --smoke")
   args = parser.parse_args()
   out_dir = args.out_dir or (os.path.join("/tmp", "jax_kittens_benchmarks") if args.smoke else common.RESULTS_DIR)
-  shapes = common.SMOKE_SHAPES if args.smoke else common.MODEL_SHAPES
-  if args.shapes is not None:
-    unknown = set(args.shapes.split(",")) - set(shapes)
-    if unknown:
-      parser.error(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
-    shapes = {name: shapes[name] for name in args.shapes.split(",")}
+  shapes = common.selected_shapes(parser, args)
   num_tokens = common.SMOKE_NUM_TOKENS if args.smoke else common.NUM_TOKENS
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"{common.results_name('layer_profile', args)}.json")

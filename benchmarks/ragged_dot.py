@@ -93,7 +93,7 @@ def main():
       print(f"{backend}: {missing}", flush=True)
   backends = [b for b in BACKENDS if args.only is None or b in args.only]
   rows = []
-  for name, shape in common.shapes(args).items():
+  for name, shape in args.model_shapes.items():
     rows += benchmark_shape(name, shape, common.num_tokens(args), backends, implementations, args)
   common.add_ratio(rows, "dense", ("shape", "gemm"))
   common.add_ratio(rows, "tokamax", ("shape", "gemm", "routing"))

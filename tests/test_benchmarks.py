@@ -15,7 +15,7 @@ def test_layer_profile_smoke(tmp_path):
   subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_profile.py"), "--smoke", "--shapes",
                   "smoke-a", "--warmup", "1", "--calls", "2", "--out-dir", str(tmp_path)], check=True, cwd=ROOT,
                  capture_output=True, text=True)
-  result = json.loads((tmp_path / "layer_profile_smoke.json").read_text())
+  result = json.loads((tmp_path / "layer_profile_smoke_smoke-a.json").read_text())
   rows = result["rows"]
   # kittens and tokamax per routing and the dense chain, forward and forward+backward; the gate/up GEMM alone both
   # ways.
@@ -123,7 +123,7 @@ def test_layer_memory_smoke(tmp_path):
   dump, the instructions around the peak and the largest buffers live there, the kernels' ones named."""
   subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_memory.py"), "--smoke", "--shapes", "smoke-a",
                   "--out-dir", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True)
-  rows = json.loads((tmp_path / "layer_memory_smoke.json").read_text())["rows"]
+  rows = json.loads((tmp_path / "layer_memory_smoke_smoke-a.json").read_text())["rows"]
   assert [(r["layers"], r["recompute"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
   for row in rows:
     assert "error" not in row, row
