@@ -75,22 +75,38 @@ GroupLayout layout_of(ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& siz
   return {offsets.typed_data(), sizes.typed_data(), static_cast<int32_t>(groups), static_cast<int32_t>(rows)};
 }
 
+// What the kernels' 2-CTA clusters assume of a tile order, which the CPU cannot run: where the n-block count is even
+// (the launch's condition for clusters, ffi/grouped_gemm_cuda.cu), tiles 2j and 2j + 1 share their lhs (group and
+// first lhs row or column) and take n blocks 2i and 2i + 1. Called with every tile in order.
+class ClusterPairCheck {
+ public:
+  explicit ClusterPairCheck(int64_t n_blocks) : clusters_(n_blocks % 2 == 0) {}
+
+  ffi::Error operator()(int32_t t, int32_t group, int32_t lhs, int32_t n_block) {
+    if (t % 2 == 0) {
+      group_ = group, lhs_ = lhs, n_block_ = n_block;
+    } else if (clusters_) {
+      JK_FFI_CHECK(group == group_ && lhs == lhs_ && n_block == n_block_ + 1 && n_block % 2 == 1,
+                   "tile order: tiles 2j and 2j + 1 must be one cluster's pair");
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  bool clusters_;
+  int32_t group_ = 0, lhs_ = 0, n_block_ = 0;
+};
+
 // Walks the kernels' row tiles (kernels/grouped_gemm.h): data_row(row, group, n0, n1, n_block) for data rows,
 // pad_row(row, n0, n1, n_block) for padding, tail and head rows. Outputs are NaN-filled first, so a row the tile
-// decomposition missed fails the tests as it would on the GPU. It also checks what the kernels' 2-CTA clusters
-// assume of the order (tiles 2j and 2j + 1 share their rows, in adjacent n blocks), which the CPU cannot run.
+// decomposition missed fails the tests as it would on the GPU.
 template <int kBlockN, typename DataRow, typename PadRow>
 ffi::Error for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, PadRow pad_row) {
   gg::RowTileScheduler<gg::kTileRows, kBlockN> scheduler(layout, n);
-  gg::RowTile tile, pair_first;
+  ClusterPairCheck check_pair(scheduler.n_blocks);
+  gg::RowTile tile;
   for (int32_t t = 0; scheduler.get(layout, t, &tile); ++t) {
-    if (t % 2 == 0) {
-      pair_first = tile;
-    } else if (scheduler.n_blocks % 2 == 0) {  // the launch's condition for clusters (ffi/grouped_gemm_cuda.cu)
-      JK_FFI_CHECK(tile.group == pair_first.group && tile.row0 == pair_first.row0 &&
-                       tile.n_block == pair_first.n_block + 1 && tile.n_block % 2 == 1,
-                   "row tile scheduler: tiles 2j and 2j + 1 must be one cluster's pair");
-    }
+    JK_FFI_RETURN_IF_ERROR(check_pair(t, tile.group, tile.row0, tile.n_block));
     int32_t n1 = std::min(tile.n0 + kBlockN, n);
     for (int32_t r = 0; r < tile.written; ++r) {
       if (r < tile.valid) {
@@ -268,17 +284,11 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tok
   GroupLayout layout = layout_of(offsets, sizes, s.groups, s.rows);
   constexpr int kM = gg::kTileRows, kN = gg::kTileCols;
   std::vector<float> acc(kM * kN);
-  gg::ContractionTile tile, pair_first;
-  const bool clusters = gg::ceil_div(s.n, kN) % 2 == 0;  // the launch's condition (ffi/grouped_gemm_cuda.cu)
+  gg::ContractionTile tile;
+  ClusterPairCheck check_pair(gg::ceil_div(s.n, kN));
   for (int32_t t = 0;
        gg::contraction_tile<kM, kN>(layout, static_cast<int32_t>(s.k), static_cast<int32_t>(s.n), t, &tile); ++t) {
-    if (t % 2 == 0) {
-      pair_first = tile;
-    } else if (clusters) {
-      JK_FFI_CHECK(tile.group == pair_first.group && tile.m0 == pair_first.m0 && tile.n0 == pair_first.n0 + kN &&
-                       tile.n0 / kN % 2 == 1,
-                   "contraction tiles: tiles 2j and 2j + 1 must be one cluster's pair");
-    }
+    JK_FFI_RETURN_IF_ERROR(check_pair(t, tile.group, tile.m0, tile.n0 / kN));
     int32_t m1 = std::min<int32_t>(tile.m0 + kM, s.k), n1 = std::min<int32_t>(tile.n0 + kN, s.n);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t r = tile.row0; r < tile.row0 + tile.valid; ++r) {
