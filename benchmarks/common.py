@@ -188,7 +188,8 @@ def peak_memory(compiled: jax.stages.Compiled) -> dict:
 
 def time_interleaved(calls: Sequence[Callable[[int], object]], *, iters: int, min_iters: int,
                      budget_s: float) -> list[dict | Exception]:
-  """Median wall times of several functions, timed in alternation; each synchronised on its outputs per run.
+  """Median, min and every run's wall time of several functions, timed in alternation; each synchronised on its
+  outputs per run.
 
   ``calls[j](i)`` makes function j's call i (cycling through its own inputs). One warm-up call of each, then rounds
   of one timed call of each: function j stops after ``iters`` timed calls, or fewer (not below ``min_iters``) when
@@ -224,8 +225,10 @@ def time_interleaved(calls: Sequence[Callable[[int], object]], *, iters: int, mi
     call_index += 1
   for j, measured in enumerate(times):
     if results[j] is None:
+      # The runs in order too: a spread between median and min (the kittens fwd+bwd's reached 16%) reads
+      # differently as a drift, a warm-up or two modes.
       results[j] = {"median_ms": 1e3 * statistics.median(measured), "min_ms": 1e3 * min(measured),
-                    "iters": len(measured)}
+                    "iters": len(measured), "times_ms": [round(1e3 * t, 3) for t in measured]}
   return results
 
 
@@ -368,7 +371,7 @@ class Timing(NamedTuple):
 
 
 def measure_interleaved(timings: Sequence[Timing], args) -> list[dict]:
-  """The rows of ``timings`` with median_ms, min_ms, iters and tflops, their executables timed in alternation
+  """The rows of ``timings`` with median_ms, min_ms, iters, times_ms and tflops, their executables timed in alternation
   (`time_interleaved`), or with ``{"error": ...}`` (no executable, or its calls raised); each printed."""
   rows = [dict(t.row) for t in timings]
   calls, timed = [], []
@@ -409,7 +412,8 @@ def add_ratio(rows: list[dict], baseline: str, key_fields: Sequence[str]):
 
 
 def format_row(row: dict) -> str:
-  return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+  return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                   if not isinstance(v, list))  # times_ms goes to the results file only
 
 
 def print_table(rows: list[dict], columns: Sequence[str]):

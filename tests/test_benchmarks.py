@@ -62,6 +62,7 @@ def test_time_interleaved_alternates_and_records_failures():
   assert log[:3] == [("fast", 0), ("failing", 0), ("broken", 0)]
   assert log[3:] == [("fast", 1), ("failing", 1), ("fast", 2), ("failing", 2), ("fast", 3), ("fast", 4)]
   assert results[0]["iters"] == 4 and results[0]["min_ms"] <= results[0]["median_ms"]
+  assert len(results[0]["times_ms"]) == 4 and min(results[0]["times_ms"]) == round(results[0]["min_ms"], 3)
   assert isinstance(results[1], RuntimeError) and str(results[1]) == "failing failed"
   assert isinstance(results[2], RuntimeError) and str(results[2]) == "broken failed"
 
