@@ -55,9 +55,9 @@ JK_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; 
 //   is the least of a x 128 + b x 256 with a x b = 132). Each weight (rhs) n block is shared by all the band's m
 //   blocks while the band's rows stay in L2 across its n blocks. tgmm's large groups need it too: ordered n fastest
 //   over a whole group, the window was 5 m blocks x all 28 n blocks of deepseek-v4's dW_down, and every wave re-read
-//   the group's dy from DRAM (17% more time under skewed routing than uniform on an H100, 3.8% on an H200). This only holds
-//   while the tiles in flight are a contiguous run of the order, which the kernels' tile queue keeps
-//   (kernels/sm90/grouped_gemm.cuh).
+//   the group's dy from DRAM (16-19% more time under skewed routing than uniform on an H100; band order cut that
+//   to 4-5%). This only holds while the tiles in flight are a contiguous run of the order, which the kernels' tile
+//   queue keeps (kernels/sm90/grouped_gemm.cuh).
 // - Why n pairs: a 2-CTA cluster claims tiles 2j and 2j + 1 together, which must share their lhs (rows, or tgmm's
 //   output rows), for the lhs multicast. With an even n-block count every band has an even tile count, so 2j is
 //   always a pair's first tile. With an odd count there are no clusters, and pairs are single tiles.
