@@ -261,8 +261,16 @@ def measure(row: dict, run: Callable[[], dict]) -> dict:
   return row
 
 
+class DeviceEvent(NamedTuple):
+  op: str  # the XLA op (hlo_op)
+  kernel: str
+  module: str  # the XLA module (hlo_module): which jitted function
+  start_ns: float
+  duration_ns: float
+
+
 def device_events(xspace_path: str):
-  """(op, kernel, duration_ns) of every device event: GPU stream events, or XLA ops on host threads without a GPU."""
+  """Every device event (`DeviceEvent`): GPU stream events, or XLA ops on host threads without a GPU."""
   profile = jax.profiler.ProfileData.from_file(xspace_path)
   gpu_planes = [plane for plane in profile.planes if plane.name.startswith("/device:GPU")]
   for plane in gpu_planes or [plane for plane in profile.planes if plane.name == "/host:CPU"]:
@@ -273,7 +281,17 @@ def device_events(xspace_path: str):
         stats = dict(event.stats)
         if "hlo_op" not in stats:
           continue  # not an XLA op's work (profiler bookkeeping, Python frames)
-        yield stats["hlo_op"], event.name, event.duration_ns
+        yield DeviceEvent(stats["hlo_op"], event.name, str(stats.get("hlo_module", "")), event.start_ns,
+                          event.duration_ns)
+
+
+def trace(run: Callable[[], object]) -> list[DeviceEvent]:
+  """The device events of ``run()`` (which blocks on its own outputs) under ``jax.profiler``, by start time."""
+  trace_dir = tempfile.mkdtemp(prefix="jk_trace_")
+  with jax.profiler.trace(trace_dir):
+    run()
+  (xspace,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  return sorted(device_events(xspace), key=lambda event: event.start_ns)
 
 
 def traced_device_time(run: Callable[[], object], calls: int, *, top: int) -> dict:
@@ -282,23 +300,18 @@ def traced_device_time(run: Callable[[], object], calls: int, *, top: int) -> di
   ``run`` returns what to block on. ``busy_ms`` adds every device event up; on one stream it is at most the wall time
   per call, and the difference is time the device idled (launch gaps, host work).
   """
-  trace_dir = tempfile.mkdtemp(prefix="jk_trace_")
   began = time.perf_counter()
-  with jax.profiler.trace(trace_dir):
-    for _ in range(calls):
-      out = run()
-    jax.block_until_ready(out)
+  events = trace(lambda: jax.block_until_ready([run() for _ in range(calls)][-1]))
   wall_ms = (time.perf_counter() - began) * 1e3 / calls
-  (xspace,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   per_op = collections.defaultdict(lambda: [0.0, 0, ""])  # op -> [ns, events, a kernel name]
   per_kernel = collections.defaultdict(lambda: [0.0, 0])  # kernel name (its first 80 characters) -> [ns, events]
-  for op, kernel, duration_ns in device_events(xspace):
-    entry = per_op[op]
-    entry[0] += duration_ns
+  for event in events:
+    entry = per_op[event.op]
+    entry[0] += event.duration_ns
     entry[1] += 1
-    entry[2] = entry[2] or kernel
-    per_kernel[kernel[:80]][0] += duration_ns
-    per_kernel[kernel[:80]][1] += 1
+    entry[2] = entry[2] or event.kernel
+    per_kernel[event.kernel[:80]][0] += event.duration_ns
+    per_kernel[event.kernel[:80]][1] += 1
   ops = sorted(per_op.items(), key=lambda item: -item[1][0])
   busy_ms = sum(entry[0] for _, entry in ops) / 1e6 / calls
   return {"traced_wall_ms": wall_ms, "busy_ms": busy_ms, "ops": len(ops),

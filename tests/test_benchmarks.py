@@ -36,6 +36,21 @@ def test_layer_profile_smoke(tmp_path):
     assert listed == sorted(listed, reverse=True) and sum(listed) <= row["busy_ms"] * (1 + 1e-9)
 
 
+def test_layer_spread_smoke(tmp_path):
+  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_spread.py"), "--smoke", "--shapes", "smoke-a",
+                  "--iters", "3", "--out-dir", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True)
+  rows = json.loads((tmp_path / "layer_spread_smoke_smoke-a.json").read_text())["rows"]
+  assert [r["function"] for r in rows] == ["kittens_uniform", "kittens_skewed", "dense"]
+  for row in rows:
+    assert len(row["untraced"]["times_ms"]) == 3 and len(row["calls"]) == 3
+    for call in row["calls"]:
+      # The trace was split into the calls that were made: each call's device work lies inside its wall time.
+      assert 0 < call["busy_ms"] and 0 < call["span_ms"] <= call["wall_ms"] * (1 + 1e-6)
+    traced = row["traced"]
+    assert traced["span_ms"]["min"] <= traced["span_ms"]["median"] <= traced["span_ms"]["max"]
+    assert all(op["min"] <= op["median"] <= op["max"] for op in traced["ops"])
+
+
 def _benchmark_module(name):
   """A script of benchmarks/ as a module (the folder is not a package)."""
   folder = os.path.join(ROOT, "benchmarks")
