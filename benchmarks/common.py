@@ -15,6 +15,7 @@ import glob
 import importlib.metadata
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -186,16 +187,30 @@ def peak_memory(compiled: jax.stages.Compiled) -> dict:
   return sizes
 
 
+def round_order(functions: Sequence[int], round_index: int) -> list[int]:
+  """The order of one round of alternating calls: a permutation of ``functions``, fixed by ``round_index``.
+
+  Not the same order every round: a call's time depends on what ran before it. Under the power cap a call right
+  after a slow, low-power one (tokamax's, or the xla reference's) starts at higher clocks. In a fixed order the
+  dense chain always came right after tokamax, and the kittens fwd+bwd took 27% more than the dense chain's at
+  deepseek-v4 when timed that way, 10% more when the two alternated alone (H100, 2be85b1; benchmarks/NOTES.md,
+  the thirty-first session). Shuffled per round, every function meets every predecessor alike.
+  """
+  order = list(functions)
+  random.Random(round_index).shuffle(order)
+  return order
+
+
 def time_interleaved(calls: Sequence[Callable[[int], object]], *, iters: int, min_iters: int,
                      budget_s: float) -> list[dict | Exception]:
   """Median, min and every run's wall time of several functions, timed in alternation; each synchronised on its
   outputs per run.
 
   ``calls[j](i)`` makes function j's call i (cycling through its own inputs). One warm-up call of each, then rounds
-  of one timed call of each: function j stops after ``iters`` timed calls, or fewer (not below ``min_iters``) when
-  they would take more than ``budget_s`` (its first timed call sets its count), so slow functions drop out early
-  and the fast ones keep alternating. A function that raises is dropped; its exception takes its place in the
-  result.
+  of one timed call of each, in the order `round_order` gives: function j stops after ``iters`` timed calls, or
+  fewer (not below ``min_iters``) when they would take more than ``budget_s`` (its first timed call sets its count),
+  so slow functions drop out early and the fast ones keep alternating. A function that raises is dropped; its
+  exception takes its place in the result.
   """
   results: list[dict | Exception | None] = [None] * len(calls)
   times: list[list[float]] = [[] for _ in calls]
@@ -209,7 +224,7 @@ def time_interleaved(calls: Sequence[Callable[[int], object]], *, iters: int, mi
       results[j] = error
   call_index = 1
   while live:
-    for j in list(live):
+    for j in round_order(live, call_index):
       start = time.perf_counter()
       try:
         jax.block_until_ready(calls[j](call_index))

@@ -1,8 +1,8 @@
 """Why the kittens forward+backward's wall times spread: in `layer.py` its median sat 9-16% over its min at
 deepseek-v4, the dense chain's 1-3%, with no drift between the runs (`times_ms`).
 
-The calls are made as `layer.py` makes them: the kittens fwd+bwd (per routing) and the dense chain's in alternation,
-each synchronised on its outputs; first untraced (the spread reproduced or not), then under ``jax.profiler``. Per
+The calls are made as `layer.py` makes them: the kittens fwd+bwd (per routing) and the dense chain's in alternation
+(`common.round_order`), each synchronised on its outputs; first untraced (the spread reproduced or not), then under ``jax.profiler``. Per
 traced call: the host's wall time, the device's span from the call's first kernel to the end of its last, the busy
 time (its kernels' durations summed) and each XLA op's time. Then per op its min, median and max over the calls and
 how much more it took in the slower half of the calls (by span) than in the faster half. One kernel slow in some
@@ -15,6 +15,7 @@ host time between the launches as wall - span.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -32,19 +33,23 @@ TOP_OPS = 12
 
 
 def split_calls(events: list[common.DeviceEvent], module_of_call: list[str]) -> list[list[common.DeviceEvent]]:
-  """The events of each call, in call order. The calls alternate between modules and each was synchronised, so a
-  call is a maximal run of consecutive events (by start) of its module."""
-  calls: list[list[common.DeviceEvent]] = []
-  for event in events:
-    if calls and calls[-1][0].module == event.module:
-      calls[-1].append(event)
-    else:
-      calls.append([event])
-  modules = [call[0].module for call in calls]
-  if len(calls) != len(module_of_call) or any(not module.startswith(expected) for expected, module in
-                                              zip(module_of_call, modules)):
-    raise RuntimeError(f"the trace's calls do not match the calls made: {len(calls)} runs of events "
-                       f"({modules[:6]}...) against {len(module_of_call)} calls ({module_of_call[:6]}...)")
+  """The events (by start) of each call, in call order. Every call was synchronised before the next, and each
+  function makes the same events per call, so call n's are the next (its module's events / its calls) events."""
+  modules = sorted(set(module_of_call))
+  module_of = lambda event: next((m for m in modules if event.module.startswith(m)), None)
+  totals = collections.Counter(module_of(event) for event in events)
+  calls_of = collections.Counter(module_of_call)
+  if set(totals) != set(modules) or any(totals[m] % calls_of[m] for m in modules):
+    raise RuntimeError(f"the trace does not hold whole calls: events per module {dict(totals)}, calls made "
+                       f"{dict(calls_of)}")
+  calls, position = [], 0
+  for module in module_of_call:
+    count = totals[module] // calls_of[module]
+    call = events[position:position + count]
+    if any(module_of(event) != module for event in call):
+      raise RuntimeError(f"call {len(calls)} of {module} holds another function's events: the calls overlapped")
+    calls.append(call)
+    position += count
   return calls
 
 
@@ -102,8 +107,10 @@ def measure_shape(name, shape, num_tokens, calls):
   order: list[str] = []
 
   def run():
+    labels = list(functions)
     for i in range(1, calls + 1):
-      for label, (fn, arg_sets) in functions.items():
+      for label in (labels[j] for j in common.round_order(range(len(labels)), i)):
+        fn, arg_sets = functions[label]
         start = time.perf_counter()
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
         walls[label].append(1e3 * (time.perf_counter() - start))

@@ -73,13 +73,25 @@ def test_time_interleaved_alternates_and_records_failures():
 
   fast, failing, broken = call("fast"), call("failing", fail_at=2), call("broken", fail_at=0)
   results = common.time_interleaved([fast, failing, broken], iters=4, min_iters=1, budget_s=10.0)
-  # One warm-up each, then one timed call of each live function per round, in order.
+  # One warm-up each, then one timed call of each live function per round, in the round's order.
   assert log[:3] == [("fast", 0), ("failing", 0), ("broken", 0)]
-  assert log[3:] == [("fast", 1), ("failing", 1), ("fast", 2), ("failing", 2), ("fast", 3), ("fast", 4)]
+  assert sorted(log[3:5]) == [("failing", 1), ("fast", 1)] and sorted(log[5:7]) == [("failing", 2), ("fast", 2)]
+  assert log[7:] == [("fast", 3), ("fast", 4)]
   assert results[0]["iters"] == 4 and results[0]["min_ms"] <= results[0]["median_ms"]
   assert len(results[0]["times_ms"]) == 4 and min(results[0]["times_ms"]) == round(results[0]["min_ms"], 3)
   assert isinstance(results[1], RuntimeError) and str(results[1]) == "failing failed"
   assert isinstance(results[2], RuntimeError) and str(results[2]) == "broken failed"
+
+
+def test_round_order_is_a_fixed_permutation_that_moves_every_function():
+  common = _benchmark_module("common")
+  rounds = [common.round_order([0, 3, 5, 7, 9], r) for r in range(1, 41)]
+  assert all(sorted(order) == [0, 3, 5, 7, 9] for order in rounds)
+  assert rounds == [common.round_order([0, 3, 5, 7, 9], r) for r in range(1, 41)]  # the same in every run
+  # Every function comes first and last in some rounds, and follows each other one in some round.
+  assert {order[0] for order in rounds} == {order[-1] for order in rounds} == {0, 3, 5, 7, 9}
+  follows = {(order[n], order[n + 1]) for order in rounds for n in range(4)}
+  assert follows == {(a, b) for a in (0, 3, 5, 7, 9) for b in (0, 3, 5, 7, 9) if a != b}
 
 
 def test_time_interleaved_budget_bounds_slow_functions():
