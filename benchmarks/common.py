@@ -192,9 +192,9 @@ def round_order(functions: Sequence[int], round_index: int) -> list[int]:
 
   Not the same order every round: a call's time depends on what ran before it. Under the power cap a call right
   after a slow, low-power one (tokamax's, or the xla reference's) starts at higher clocks. In a fixed order the
-  dense chain always came right after tokamax, and the kittens fwd+bwd took 27% more than the dense chain's at
-  deepseek-v4 when timed that way, 10% more when the two alternated alone (H100, 2be85b1; benchmarks/NOTES.md,
-  the thirty-first session). Shuffled per round, every function meets every predecessor alike.
+  dense chain always came right after tokamax: at deepseek-v4 the kittens fwd+bwd then took 23% (uniform) and 38%
+  (skewed) more than the dense chain's, against 10% and 17% when those three alternated alone (H100, 2be85b1;
+  benchmarks/NOTES.md, the thirty-first session). Shuffled per round, every function meets every predecessor alike.
   """
   order = list(functions)
   random.Random(round_index).shuffle(order)
@@ -315,8 +315,13 @@ def traced_device_time(run: Callable[[], object], calls: int, *, top: int) -> di
   ``run`` returns what to block on. ``busy_ms`` adds every device event up; on one stream it is at most the wall time
   per call, and the difference is time the device idled (launch gaps, host work).
   """
+  def run_all():
+    for _ in range(calls):
+      out = run()  # only the last call's outputs are held: each may be gigabytes
+    jax.block_until_ready(out)
+
   began = time.perf_counter()
-  events = trace(lambda: jax.block_until_ready([run() for _ in range(calls)][-1]))
+  events = trace(run_all)
   wall_ms = (time.perf_counter() - began) * 1e3 / calls
   per_op = collections.defaultdict(lambda: [0.0, 0, ""])  # op -> [ns, events, a kernel name]
   per_kernel = collections.defaultdict(lambda: [0.0, 0])  # kernel name (its first 80 characters) -> [ns, events]

@@ -1,9 +1,14 @@
-"""Why the kittens forward+backward's wall times spread: in `layer.py` its median sat 9-16% over its min at
-deepseek-v4, the dense chain's 1-3%, with no drift between the runs (`times_ms`).
+"""Why one call of a layer takes longer than another: per call, each kernel's device time of the kittens
+forward+backward and of the dense chain's.
+
+Written when `layer.py` had the kittens fwd+bwd's median 9-16% over its min at deepseek-v4 and the dense chain's at
+1-3%. It found the slower calls slower in every GEMM kernel, ours and cuBLAS's, by the same share: the clock under
+the power cap, common to both. `layer.py`'s fixed order of calls had run the dense chain right after tokamax's slow
+calls (since then `common.round_order` shuffles each round; benchmarks/NOTES.md, the thirty-first session).
 
 The calls are made as `layer.py` makes them: the kittens fwd+bwd (per routing) and the dense chain's in alternation
-(`common.round_order`), each synchronised on its outputs; first untraced (the spread reproduced or not), then under ``jax.profiler``. Per
-traced call: the host's wall time, the device's span from the call's first kernel to the end of its last, the busy
+(`common.round_order`), each synchronised on its outputs; first untraced, then under ``jax.profiler``. Per traced
+call: the host's wall time, the device's span from the call's first kernel to the end of its last, the busy
 time (its kernels' durations summed) and each XLA op's time. Then per op its min, median and max over the calls and
 how much more it took in the slower half of the calls (by span) than in the faster half. One kernel slow in some
 calls stands out there; a lower clock moves every op by the same factor; idle device time shows as span - busy, and
