@@ -5,7 +5,8 @@ routing, forward and forward+backward. Backends: "kittens" (`moe_ffn(backend="ki
 with `jax.lax.ragged_dot`), "tokamax" (the reference with `tokamax.ragged_dot`), "dense" (the same SwiGLU chain as
 batched einsums over equal groups of T*k/E rows: the cuBLAS ceiling). Also the compiled peak memory of the
 forward+backward for kittens (recompute off and on) and xla. Per shape and mode the backends' calls alternate
-(`common.time_interleaved`), so that the ratios compare runs at the same clocks and temperature.
+(`common.time_interleaved`), each round in its own order (`common.round_order`), so that the ratios compare runs at
+the same clocks and temperature.
 
   python3 benchmarks/layer.py            # on the H200: benchmarks/results/layer_h200.json + .png
   python3 benchmarks/layer.py --smoke    # tiny shapes, any platform

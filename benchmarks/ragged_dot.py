@@ -3,7 +3,7 @@
 At the MoE layer's two GEMM shapes of each model's single-GPU slice (E/8 local experts, T = 8192 tokens, top-k):
 "gate_up" [T*k, H] x [E_local, H, I] (the gate GEMM; up is the same) and "down" [T*k, I] x [E_local, I, H], with the
 group sizes of uniform and skewed routing. "dense" is the batched einsum over equal groups of T*k/E_local rows.
-Per shape and GEMM the backends' calls alternate (`common.time_interleaved`).
+Per shape and GEMM the backends' calls alternate (`common.time_interleaved`), each round in its own order.
 
   python3 benchmarks/ragged_dot.py           # on the H200: benchmarks/results/ragged_dot_h200.json + .png
   python3 benchmarks/ragged_dot.py --smoke   # tiny shapes, any platform
