@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +92,20 @@ def named(fn, name):
   return wrapper
 
 
+def alternate(functions: dict, calls: int, log: list[str] | None = None) -> list[dict | Exception]:
+  """`common.time_interleaved` of ``functions`` ({label: (jitted fn, arg sets)}), ``calls`` timed calls each; ``log``
+  gets every call's label in call order, the warm-ups included."""
+  def caller(label, fn, arg_sets):
+    def call(i):
+      if log is not None:
+        log.append(label)
+      return fn(*arg_sets[i % len(arg_sets)])
+    return call
+
+  return common.time_interleaved([caller(label, *function) for label, function in functions.items()], iters=calls,
+                                 min_iters=calls, budget_s=1e9)
+
+
 def measure_shape(name, shape, num_tokens, calls):
   inputs = layer.shape_inputs(jax.random.key(sum(map(ord, name))), shape, num_tokens)
   kittens = layer.forward_backward(layer.routed_layer("kittens", None), layer.ROUTED_DIFFERENTIABLE)
@@ -103,28 +116,18 @@ def measure_shape(name, shape, num_tokens, calls):
                for routing in common.ROUTINGS}
   functions["dense"] = (jax.jit(named(layer.forward_backward(layer.dense_layer, layer.DENSE_DIFFERENTIABLE), "dense")),
                         [(inputs["dense_rows"], *inputs["experts"], inputs["dense_d_y"])])
-  for fn, arg_sets in functions.values():
-    jax.block_until_ready(fn(*arg_sets[0]))  # compile and warm up
-
-  untraced = common.time_interleaved([lambda i, fn=fn, a=a: fn(*a[i % len(a)]) for fn, a in functions.values()],
-                                     iters=calls, min_iters=calls, budget_s=1e9)
-  walls: dict[str, list[float]] = {label: [] for label in functions}
+  untraced = alternate(functions, calls)
   order: list[str] = []
-
-  def run():
-    labels = list(functions)
-    for i in range(1, calls + 1):
-      for label in (labels[j] for j in common.round_order(range(len(labels)), i)):
-        fn, arg_sets = functions[label]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-        walls[label].append(1e3 * (time.perf_counter() - start))
-        order.append(label)
-
-  per_call = split_calls(common.trace(run), [f"jit_{label}" for label in order])
-  summaries: dict[str, list[dict]] = {label: [] for label in functions}
-  for label, events in zip(order, per_call):
-    summaries[label].append(call_summary(events, walls[label][len(summaries[label])]))
+  traced: list[dict] = []
+  events = common.trace(lambda: traced.extend(alternate(functions, calls, order)))
+  # time_interleaved's warm-up calls come first, one per function.
+  per_call = split_calls(events, [f"jit_{label}" for label in order])[len(functions):]
+  events_of: dict[str, list] = {label: [] for label in functions}
+  for label, call_events in zip(order[len(functions):], per_call):
+    events_of[label].append(call_events)
+  summaries = {label: [call_summary(call_events, wall)
+                       for call_events, wall in zip(events_of[label], timed["times_ms"])]
+               for label, timed in zip(functions, traced)}
   rows = []
   for (label, result), calls_of in zip(zip(functions, untraced), summaries.values()):
     row = {"shape": name, "function": label, "untraced": result if isinstance(result, dict) else str(result),
