@@ -120,6 +120,20 @@ def test_gmm_large_groups(n):
   assert rel_err(out, gmm_oracle(lhs, rhs, offsets, group_sizes)) < BF16_TOL
 
 
+@pytest.mark.parametrize("n", [512, 768])
+def test_gmm_light_groups_between_heavy(n):
+  """Groups of at most 256 rows (light) run spread between the others' tiles: light ones before, between and after
+  heavy ones, the 256/257-row boundary on both sides, empty groups, and a tail."""
+  rng = np.random.default_rng(n + 1)
+  sizes = [3, 700, 40, 0, 256, 257, 1, 900, 100, 129]
+  rows = sum((s + 127) // 128 * 128 for s in sizes) + 300
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
+  lhs, rhs = bf16(rng, rows, 64), bf16(rng, len(sizes), 64, n)
+  out = gm.gmm(lhs, rhs, offsets, group_sizes)
+  assert rel_err(out, gmm_oracle(lhs, rhs, offsets, group_sizes)) < BF16_TOL
+  assert np.all(f64(out)[~data_row_mask(offsets, sizes, rows)] == 0)
+
+
 def test_gmm_rows_outside_every_group_are_zero():
   """Rows before group_offsets[0] and after group_offsets[G] belong to no group: written as 0."""
   rng = np.random.default_rng(9)
