@@ -134,6 +134,29 @@ def test_gmm_light_groups_between_heavy(n):
   assert np.all(f64(out)[~data_row_mask(offsets, sizes, rows)] == 0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_gmm_random_light_and_heavy_layouts(seed):
+  """Random mixes of empty, light (at most 256 rows) and heavy groups, with and without head and tail rows, so that
+  either stream can be the larger one; every data row computed once, every other row 0."""
+  rng = np.random.default_rng(100 + seed)
+  num_groups = int(rng.integers(3, 12))
+  kinds = rng.integers(0, 4, num_groups)
+  sizes = [0 if k == 0 else int(rng.integers(1, 257)) if k == 1 else int(rng.integers(257, 1200)) if k == 2
+           else int(rng.integers(1, 40)) for k in kinds]
+  head = 128 * int(rng.integers(0, 2))
+  padded = [(s + gm.ROW_ALIGN - 1) // gm.ROW_ALIGN * gm.ROW_ALIGN for s in sizes]
+  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(padded)]) + head, jnp.int32)
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  rows = int(offsets[-1]) + int(rng.integers(0, 300))
+  n = [512, 768][seed % 2]
+  lhs, rhs = bf16(rng, rows, 64), bf16(rng, num_groups, 64, n)
+  out = f64(gm.gmm(lhs, rhs, offsets, group_sizes))
+  ref = gmm_oracle(lhs, rhs, offsets, group_sizes)
+  if np.any(ref):
+    assert rel_err(out, ref) < BF16_TOL
+  assert np.all(out[~data_row_mask(offsets, sizes, rows)] == 0)
+
+
 def test_gmm_rows_outside_every_group_are_zero():
   """Rows before group_offsets[0] and after group_offsets[G] belong to no group: written as 0."""
   rng = np.random.default_rng(9)
