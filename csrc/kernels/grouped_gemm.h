@@ -100,122 +100,45 @@ struct RowTile {
   int32_t n0;
 };
 
-// Light groups: those of at most kLightRows rows. Their tiles read a whole weight n block for few rows, so a run of
-// them is bound by DRAM, not by the tensor cores. Under skewed routing tens of such groups can sit next to each
-// other (the benchmark's skew puts them all at the end), and the ~132 tiles in flight then wait on weight reads
-// while the large groups' tiles elsewhere in the order need none. So the row tiles run as two streams: the heavy
-// groups (with the tail and head pseudo-groups) in index order, and spread evenly between their tiles the light
-// groups' in index order. Under uniform routing no group is light and the order is the heavy stream alone.
-constexpr int32_t kLightRows = 256;
-
-struct StreamTiles {
-  int32_t heavy;
-  int32_t light;
-};
-
-JK_HOST_DEVICE bool is_light_group(const GroupLayout& l, int32_t g, const RowExtent& e) {
-  return g < l.groups && e.end - e.begin <= kLightRows;
-}
-
-template <int kBlockM>
-JK_HOST_DEVICE int32_t row_blocks(const RowExtent& e) {
-  return (e.end - e.begin + kBlockM - 1) / kBlockM;
-}
-
-// Adds pseudo-group g's tiles to its stream's count. The CPU twins sum over every g; the kernels split the
-// pseudo-groups over a warp's lanes.
-template <int kBlockM>
-JK_HOST_DEVICE void add_group_tiles(const GroupLayout& l, int32_t g, int32_t n_blocks, StreamTiles* tiles) {
-  const RowExtent e = row_extent(l, g);
-  (is_light_group(l, g, e) ? tiles->light : tiles->heavy) += row_blocks<kBlockM>(e) * n_blocks;
-}
-
-template <int kBlockM>
-StreamTiles count_stream_tiles(const GroupLayout& l, int32_t n_blocks) {
-  StreamTiles tiles{0, 0};
-  for (int32_t g = 0; g < l.groups + 2; ++g) add_group_tiles<kBlockM>(l, g, n_blocks, &tiles);
-  return tiles;
-}
-
-// A forward-only cursor over one stream's pseudo-groups, in index order. It keeps no extent: the kernels' producers
-// decode tiles in 40 registers, and the offsets and sizes come back from L1.
-template <int kBlockM, bool kLight>
-struct StreamCursor {
-  int32_t group = -1;      // pseudo-group holding the last tile asked for
-  int32_t first_tile = 0;  // its first stream-local tile
-  int32_t end_tile = 0;    // past its last (first_tile: a group of the other stream)
-
-  // Stream-local tile `local` (nondecreasing across calls; below the stream's tile count), of a grid n_blocks wide.
-  template <int kBlockN>
-  JK_HOST_DEVICE void tile_at(const GroupLayout& l, int32_t n_blocks, int32_t local, RowTile* tile) {
-    while (local >= end_tile && group < l.groups + 1) {
-      first_tile = end_tile;
-      ++group;
-      const RowExtent e = row_extent(l, group);
-      if (is_light_group(l, group, e) == kLight) end_tile += row_blocks<kBlockM>(e) * n_blocks;
-    }
-    const RowExtent extent = row_extent(l, group);
-    const GridBlock block = band_order(local - first_tile, row_blocks<kBlockM>(extent), n_blocks);
-    tile->n_block = block.n_block;
-    tile->group = group;
-    tile->row0 = extent.begin + block.m_block * kBlockM;
-    const int32_t valid = extent.data_end - tile->row0;
-    tile->valid = valid < 0 ? 0 : (valid > kBlockM ? kBlockM : valid);
-    const int32_t written = extent.end - tile->row0;
-    tile->written = written > kBlockM ? kBlockM : written;
-    tile->n0 = tile->n_block * kBlockN;
-  }
-};
-
-// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile. The two streams above are merged in units
-// of a cluster's pair of tiles (one tile without clusters), so that a pair stays within one group: in blocks of
-// `major_run` units of the stream with more units and one of the other, until the other runs out, then the rest
-// (fewer units than the other stream had). Each group's tiles run in band order. The kernels' CTAs claim
-// increasing t from a counter; the CPU twins walk every t, so CI covers the same decomposition. Queries must come
-// with nondecreasing t. 32-bit arithmetic throughout, for the producers' 40 registers.
+// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile, the pseudo-groups in order, each in band
+// order. The kernels' CTAs claim increasing t from a counter; the CPU twins walk every t, so CI covers the same
+// decomposition. Queries must come with nondecreasing t (a forward-only cursor over the pseudo-groups).
 template <int kBlockM, int kBlockN>
 struct RowTileScheduler {
   int32_t n_blocks;
-  int32_t pair;         // tiles per unit
-  int32_t units;
-  bool light_is_minor;  // the light stream has no more units than the heavy one
-  int32_t minor_units;
-  int32_t major_run;    // major units per minor unit (0 without minor units)
-  StreamCursor<kBlockM, false> heavy;
-  StreamCursor<kBlockM, true> light;
+  int32_t group = 0;             // pseudo-group holding the next tile
+  int32_t group_first_tile = 0;  // its first linear tile
+  int32_t group_tiles = 0;
+  int32_t m_blocks = 0;          // of the pseudo-group
+  RowExtent extent{0, 0, 0};
 
-  JK_HOST_DEVICE static int32_t column_blocks(int32_t n) { return (n + kBlockN - 1) / kBlockN; }
+  JK_HOST_DEVICE RowTileScheduler(const GroupLayout& l, int32_t n) : n_blocks((n + kBlockN - 1) / kBlockN) {
+    enter_group(l);
+  }
 
-  // tiles: the layout's count_stream_tiles (the kernels count them with a warp).
-  JK_HOST_DEVICE RowTileScheduler(int32_t n, StreamTiles tiles)
-      : n_blocks(column_blocks(n)), pair(n_blocks % 2 == 0 ? 2 : 1), units((tiles.heavy + tiles.light) / pair),
-        light_is_minor(tiles.light <= tiles.heavy),
-        minor_units((light_is_minor ? tiles.light : tiles.heavy) / pair),
-        major_run(minor_units > 0 ? (light_is_minor ? tiles.heavy : tiles.light) / pair / minor_units : 0) {}
-  RowTileScheduler(const GroupLayout& l, int32_t n)
-      : RowTileScheduler(n, count_stream_tiles<kBlockM>(l, column_blocks(n))) {}
+  JK_HOST_DEVICE void enter_group(const GroupLayout& l) {
+    extent = row_extent(l, group);
+    m_blocks = (extent.end - extent.begin + kBlockM - 1) / kBlockM;
+    group_tiles = m_blocks * n_blocks;
+  }
 
   // False when t is past the last tile.
   JK_HOST_DEVICE bool get(const GroupLayout& l, int32_t t, RowTile* tile) {
-    const int32_t unit = t / pair;
-    if (unit >= units) return false;
-    const int32_t period = major_run + 1, block = unit / period;
-    bool minor = false;
-    int32_t index;  // within the unit's stream
-    if (block < minor_units) {
-      const int32_t position = unit - block * period;
-      minor = position == major_run;
-      index = minor ? block : block * major_run + position;
-    } else {
-      index = minor_units * major_run + unit - minor_units * period;
+    while (t >= group_first_tile + group_tiles) {
+      if (group == l.groups + 1) return false;
+      group_first_tile += group_tiles;
+      ++group;
+      enter_group(l);
     }
-    const int32_t local = index * pair + t % pair;
-    // Two calls, not a reference to either cursor, so that the kernels keep both in registers.
-    if (minor == light_is_minor) {
-      light.template tile_at<kBlockN>(l, n_blocks, local, tile);
-    } else {
-      heavy.template tile_at<kBlockN>(l, n_blocks, local, tile);
-    }
+    const GridBlock block = band_order(t - group_first_tile, m_blocks, n_blocks);
+    tile->n_block = block.n_block;
+    tile->group = group;
+    tile->row0 = extent.begin + block.m_block * kBlockM;
+    int32_t valid = extent.data_end - tile->row0;
+    tile->valid = valid < 0 ? 0 : (valid > kBlockM ? kBlockM : valid);
+    int32_t written = extent.end - tile->row0;
+    tile->written = written > kBlockM ? kBlockM : written;
+    tile->n0 = tile->n_block * kBlockN;
     return true;
   }
 };

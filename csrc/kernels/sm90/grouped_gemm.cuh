@@ -135,19 +135,7 @@ template <Mode kMode, int kBlockN>
 struct Scheduler {
   RowTileScheduler<kBlockM, kBlockN> rows;
 
-  __device__ Scheduler(const Params& p, StreamTiles tiles) : rows(p.n, tiles) {}
-
-  // The row tiles of each stream, counted by one warp: its lanes take every 32nd pseudo-group.
-  __device__ static StreamTiles count_streams(const Params& p, int lane) {
-    StreamTiles tiles{0, 0};
-    if constexpr (kMode != Mode::kTgmm) {
-      const int32_t n_blocks = RowTileScheduler<kBlockM, kBlockN>::column_blocks(p.n);
-      for (int32_t g = lane; g < p.layout.groups + 2; g += 32) add_group_tiles<kBlockM>(p.layout, g, n_blocks, &tiles);
-      tiles.heavy = __reduce_add_sync(0xFFFFFFFF, tiles.heavy);
-      tiles.light = __reduce_add_sync(0xFFFFFFFF, tiles.light);
-    }
-    return tiles;
-  }
+  __device__ explicit Scheduler(const Params& p) : rows(p.layout, p.n) {}
 
   // Maps linear tile t (nondecreasing across calls) to a tile, with k_steps -1 when t is past the last tile.
   __device__ Tile get(const Params& p, int32_t t) {
@@ -980,7 +968,7 @@ struct StageRelease {
 template <Mode kMode, bool kBMnMajor, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
                                          uint64_t* empty, uint64_t* landed, TileQueue<kCluster>& queue, TileRing& ring,
-                                         StreamTiles stream_tiles, int thread) {
+                                         int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kGathers = kGathered != Gathered::kNone;
   using G = Gather<kMode, kGathered, kCluster>;
@@ -998,7 +986,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   const uint32_t peer_full0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(full), rank ^ 1) : 0;
   const int32_t clusters = gridDim.x / kCluster;
   int32_t pair = blockIdx.x / kCluster;
-  Scheduler<kMode, kBlockN> scheduler(p, stream_tiles);
+  Scheduler<kMode, kBlockN> scheduler(p);
   uint32_t it = 0;
   for (;;) {
     if (fetcher) queue.publish(pair);
@@ -1182,13 +1170,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (kGathered != Gathered::kNone || threadIdx.x < 32) {
-      // Each thread that decodes tiles needs the tile streams' sizes; its warp counts them.
-      const StreamTiles tiles = Scheduler<kMode, OperandLayout<kMode>::kBlockN>::count_streams(p, threadIdx.x % 32);
-      if (kGathered != Gathered::kNone || threadIdx.x == 0)
-        produce<kMode, kBMnMajor, kCluster, kGathered>(maps, p, smem, full, empty, landed, queue, ring, tiles,
-                                                       threadIdx.x);
-    }
+    if (kGathered != Gathered::kNone || threadIdx.x == 0)
+      produce<kMode, kBMnMajor, kCluster, kGathered>(maps, p, smem, full, empty, landed, queue, ring, threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     consume<kMode, kBMnMajor, OutT, kCluster, kGathered>(maps, p, smem, staging, full, empty, ring);
