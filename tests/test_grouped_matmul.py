@@ -120,24 +120,10 @@ def test_gmm_large_groups(n):
   assert rel_err(out, gmm_oracle(lhs, rhs, offsets, group_sizes)) < BF16_TOL
 
 
-@pytest.mark.parametrize("n", [512, 768])
-def test_gmm_light_groups_between_heavy(n):
-  """Groups of at most 256 rows (light) run spread between the others' tiles: light ones before, between and after
-  heavy ones, the 256/257-row boundary on both sides, empty groups, and a tail."""
-  rng = np.random.default_rng(n + 1)
-  sizes = [3, 700, 40, 0, 256, 257, 1, 900, 100, 129]
-  rows = sum((s + 127) // 128 * 128 for s in sizes) + 300
-  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, rows)
-  lhs, rhs = bf16(rng, rows, 64), bf16(rng, len(sizes), 64, n)
-  out = gm.gmm(lhs, rhs, offsets, group_sizes)
-  assert rel_err(out, gmm_oracle(lhs, rhs, offsets, group_sizes)) < BF16_TOL
-  assert np.all(f64(out)[~data_row_mask(offsets, sizes, rows)] == 0)
-
-
 @pytest.mark.parametrize("seed", range(4))
-def test_gmm_random_light_and_heavy_layouts(seed):
-  """Random mixes of empty, light (at most 256 rows) and heavy groups, with and without head and tail rows, so that
-  either stream can be the larger one; every data row computed once, every other row 0."""
+def test_gmm_random_group_layouts(seed):
+  """Random mixes of empty, tiny, sub-tile and multi-band groups, with and without head and tail rows, through the
+  row scheduler's bands: every data row computed once, every other row 0."""
   rng = np.random.default_rng(100 + seed)
   num_groups = int(rng.integers(3, 12))
   kinds = rng.integers(0, 4, num_groups)
