@@ -39,12 +39,13 @@ def f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def aligned_layout(sizes, align, total_rows):
-  """group_sizes -> (group_offsets, group_sizes) with each group starting on a multiple of align."""
+def aligned_layout(sizes, align, total_rows=None, head=0):
+  """group_sizes -> (group_offsets, group_sizes) with each group's extent a multiple of align, the first starting at
+  row ``head``."""
   sizes = np.asarray(sizes, np.int32)
   padded = (sizes + align - 1) // align * align
-  offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
-  assert offsets[-1] <= total_rows
+  offsets = (head + np.concatenate([[0], np.cumsum(padded)])).astype(np.int32)
+  assert total_rows is None or offsets[-1] <= total_rows
   return jnp.asarray(offsets), jnp.asarray(sizes)
 
 
@@ -122,17 +123,14 @@ def test_gmm_large_groups(n):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_gmm_random_group_layouts(seed):
-  """Random mixes of empty, tiny, sub-tile and multi-band groups, with and without head and tail rows, through the
-  row scheduler's bands: every data row computed once, every other row 0."""
+  """Random mixes of empty, tiny (under 40 rows), one- or two-tile and 3- to 10-tile groups, with and without head
+  and tail rows, through the row scheduler: every data row computed once, every other row 0."""
   rng = np.random.default_rng(100 + seed)
   num_groups = int(rng.integers(3, 12))
   kinds = rng.integers(0, 4, num_groups)
   sizes = [0 if k == 0 else int(rng.integers(1, 257)) if k == 1 else int(rng.integers(257, 1200)) if k == 2
            else int(rng.integers(1, 40)) for k in kinds]
-  head = 128 * int(rng.integers(0, 2))
-  padded = [(s + gm.ROW_ALIGN - 1) // gm.ROW_ALIGN * gm.ROW_ALIGN for s in sizes]
-  offsets = jnp.asarray(np.concatenate([[0], np.cumsum(padded)]) + head, jnp.int32)
-  group_sizes = jnp.asarray(sizes, jnp.int32)
+  offsets, group_sizes = aligned_layout(sizes, gm.ROW_ALIGN, head=128 * int(rng.integers(0, 2)))
   rows = int(offsets[-1]) + int(rng.integers(0, 300))
   n = [512, 768][seed % 2]
   lhs, rhs = bf16(rng, rows, 64), bf16(rng, num_groups, 64, n)
