@@ -52,6 +52,8 @@ CASES = {
     "dense_down": ("regex:nvjet|gemm|xmma", lambda rows, h, i: 2 * rows * i * h),
     "wgrad_down": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
     "combine": ("regex:combine_kernel", lambda rows, h, i: 2 * rows * h),
+    # The combine's bytes summed by XLA from contiguous rows ([T, k, H] over k): what streaming them costs.
+    "dense_combine": ("regex:reduce|fusion", lambda rows, h, i: 2 * rows * h),
     # The backward's GEMMs over rows gathered beforehand, and reading them from the tokens through row_tokens.
     "dgrad_rows": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
     "dgrad_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
@@ -63,7 +65,7 @@ WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
 EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
                  "lts__t_sectors_op_write.sum")
-DENSE_CASES = ("dense_gate", "dense_down")
+DENSE_CASES = ("dense_gate", "dense_down", "dense_combine")
 
 
 def case_call(case, shape, num_tokens, routing):
@@ -114,6 +116,9 @@ def case_call(case, shape, num_tokens, routing):
   if case == "combine":
     weights = inputs["routings"][routing][0].astype(jnp.float32)
     return jax.jit(permute.combine), (random_bf16(1, (num_rows, shape.hidden)), sched.rows, weights)
+  if case == "dense_combine":
+    values = random_bf16(1, (*ids.shape, shape.hidden))
+    return jax.jit(lambda v: jnp.sum(v.astype(jnp.float32), axis=1).astype(v.dtype)), (values,)
   dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
   if case == "dense_gate":
     return dense, (inputs["dense_rows"], w_gate)
