@@ -405,7 +405,8 @@ def _gpu():
 def test_gpu_permutes_match_numpy(rng, dtype):
   with jax.default_device(_gpu()):
     check_permutes(rng, 2048, 1024, 16, 4, "skewed", dtype)
-    check_permutes(rng, 301, 1000, 8, 2, "one_expert", dtype)  # H not a multiple of 8
+    check_permutes(rng, 301, 1001, 8, 2, "one_expert", dtype)  # H odd: one element a vector (no 16-byte copies)
+    check_permutes(rng, 300, 512, 32, 17, "uniform", dtype)  # k = 17: three batches of the combine's 8 slots
 
 
 @pytest.mark.gpu
