@@ -175,22 +175,33 @@ __global__ void __launch_bounds__(kThreads, kCombineCtasPerSm) combine_kernel(Co
   const int batches = g.top_k > kCombineSlotBatch ? (g.top_k + kCombineSlotBatch - 1) / kCombineSlotBatch : 1;
   const int units = threadIdx.x < items ? (items - threadIdx.x + kThreads - 1) / kThreads * batches : 0;
 
-  // Copies unit u's placed slots into stage u % kCombineStages and commits them as one group (an empty group past
-  // the last unit, so that every unit's wait counts the same); returns the slots it copied, a bit each.
+  // Unit u: item threadIdx.x + (u / batches) * kThreads, i.e. vector v of y[t], slots [j0, j0 + kCombineSlotBatch) and
+  // the stage its copies land in.
+  struct Unit {
+    int64_t t;
+    int v;
+    int j0;
+    P* stage;
+  };
+  auto unit = [&](int u) {
+    const int i = threadIdx.x + u / batches * kThreads;
+    return Unit{t0 + i / vectors_per_row, i % vectors_per_row, u % batches * kCombineSlotBatch,
+                staged + u % kCombineStages * kCombineSlotBatch * kThreads};
+  };
+
+  // Copies unit u's placed slots into its stage and commits them as one group (an empty group past the last unit, so
+  // that every unit's wait counts the same); returns the slots it copied, a bit each.
   auto copy_unit = [&](int u) -> uint32_t {
     uint32_t present = 0;
     if (u < units) {
-      const int i = threadIdx.x + u / batches * kThreads;
-      const int64_t t = t0 + i / vectors_per_row;
-      const int j0 = u % batches * kCombineSlotBatch;
-      const P* source = reinterpret_cast<const P*>(g.values) + i % vectors_per_row;
-      P* stage = staged + u % kCombineStages * kCombineSlotBatch * kThreads;
+      const Unit w = unit(u);
+      const P* source = reinterpret_cast<const P*>(g.values) + w.v;
 #pragma unroll
       for (int b = 0; b < kCombineSlotBatch; ++b) {
-        const int32_t j = j0 + b;
-        const int32_t r = j < g.top_k ? g.rows[t * g.top_k + j] : -1;
+        const int32_t j = w.j0 + b;
+        const int32_t r = j < g.top_k ? g.rows[w.t * g.top_k + j] : -1;
         if (!placed(r, g.num_rows)) continue;
-        copy_to_shared(stage + b * kThreads, source + static_cast<int64_t>(r) * vectors_per_row);
+        copy_to_shared(w.stage + b * kThreads, source + static_cast<int64_t>(r) * vectors_per_row);
         present |= 1u << b;
       }
     }
@@ -206,22 +217,18 @@ __global__ void __launch_bounds__(kThreads, kCombineCtasPerSm) combine_kernel(Co
     const uint32_t present = next_present;
     next_present = copy_unit(u + 1);
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // unit u's group has landed
-    const int i = threadIdx.x + u / batches * kThreads;
-    const int64_t t = t0 + i / vectors_per_row;
-    const int j0 = u % batches * kCombineSlotBatch;
-    const P* stage = staged + u % kCombineStages * kCombineSlotBatch * kThreads;
+    const Unit w = unit(u);
 #pragma unroll
     for (int b = 0; b < kCombineSlotBatch; ++b) {
       if (!(present >> b & 1u)) continue;
-      const float weight = g.weights != nullptr ? g.weights[t * g.top_k + j0 + b] : 1.0f;
-      const P value = stage[b * kThreads];
+      const float weight = g.weights != nullptr ? g.weights[w.t * g.top_k + w.j0 + b] : 1.0f;
+      const P value = w.stage[b * kThreads];
 #pragma unroll
       for (int n = 0; n < N; ++n) acc[n] = accumulate(acc[n], weight, to_float(value.v[n]));
     }
     if (u % batches != batches - 1) continue;
-    const int v = i % vectors_per_row;
     if (g.addend != nullptr) {
-      const P add = reinterpret_cast<const P*>(g.addend + t * g.hidden)[v];
+      const P add = reinterpret_cast<const P*>(g.addend + w.t * g.hidden)[w.v];
 #pragma unroll
       for (int n = 0; n < N; ++n) acc[n] += to_float(add.v[n]);
     }
@@ -231,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, kCombineCtasPerSm) combine_kernel(Co
       out.v[n] = from_float<T>(acc[n]);
       acc[n] = 0.0f;
     }
-    reinterpret_cast<P*>(g.y + t * g.hidden)[v] = out;
+    reinterpret_cast<P*>(g.y + w.t * g.hidden)[w.v] = out;
   }
 }
 
