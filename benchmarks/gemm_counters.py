@@ -61,6 +61,16 @@ CASES = {
     "wgrad_gate_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * h * i),
     "wgrad_down_gathered": ("regex:grouped_gemm_kernel", lambda rows, h, i: 2 * rows * i * h),
 }
+
+
+def _combine_bytes(num_tokens, top_k, hidden):
+  """What a combine moves: T*k bf16 rows read and T rows written (ids and weights left out)."""
+  return (num_tokens * top_k + num_tokens) * hidden * 2
+
+
+# The memory-bound cases: bytes a launch as a function of (T, k, H).
+MOVED_BYTES = {"combine": _combine_bytes, "dense_combine": _combine_bytes}
+
 WARMUP_LAUNCHES = 2
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats")
 EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",

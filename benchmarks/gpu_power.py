@@ -3,7 +3,8 @@
 Under ncu our GEMMs take about cuBLAS's cycles but run at a 9-11% lower SM clock (NOTES.md, the eleventh session).
 This says whether both run at the board's power cap, and what each draws per FLOP: each case of `gemm_counters.py`
 launches back to back for --seconds while `nvidia-smi` samples power, SM clock, temperature and the clock-event
-reasons (why the clock is held below its maximum) every 100 ms.
+reasons (why the clock is held below its maximum) every 100 ms. The memory-bound cases (`gemm_counters.MOVED_BYTES`:
+the combine, and XLA summing the same bytes from contiguous rows) also get their bytes a second.
 
   python3 benchmarks/gpu_power.py --shapes kimi-k2 --cases down,dense_down   # on the GPU: gpu_power_h200.json
 """
@@ -95,13 +96,17 @@ def measure_case(case, shape, num_tokens, routing, seconds, nvidia_smi, fields) 
   row = {"case": case, "routing": routing, "seconds": elapsed, "launches": launches,
          "ms_per_launch": 1e3 * elapsed / launches, "tflops": flops * launches / elapsed * 1e-12,
          **summarize(samples, fields)}
+  if case in gemm_counters.MOVED_BYTES:
+    moved = gemm_counters.MOVED_BYTES[case](num_tokens, shape.top_k, shape.hidden)
+    row["gb_per_s"] = moved * launches / elapsed * 1e-9
   if "power_w" in row:
     row["pj_per_flop"] = row["power_w"] / row["tflops"]  # W / (TFLOP/s) = pJ per FLOP
   return row
 
 
 def report(row) -> str:
-  keys = ("ms_per_launch", "tflops", "power_w", "sm_mhz", "pj_per_flop", "power_cap_share", "temperature_c")
+  keys = ("ms_per_launch", "tflops", "gb_per_s", "power_w", "sm_mhz", "pj_per_flop", "power_cap_share",
+          "temperature_c")
   return "  ".join(f"{key}={row[key]:.3f}" for key in keys if key in row)
 
 

@@ -168,6 +168,26 @@ def test_gemm_counters_cases_run(tmp_path):
                     "smoke-a", "--smoke"], check=True, cwd=ROOT, capture_output=True, text=True)
 
 
+def test_gpu_power_with_a_stand_in_nvidia_smi(tmp_path):
+  """gpu_power.measure_case on the tiny shapes: the samples' means and shares, FLOP and byte rates per launch."""
+  gpu_power, common = _benchmark_module("gpu_power"), _benchmark_module("common")
+  sample = "650.5, 700.00, 1980, 55, Active, Not Active, [N/A]"
+  smi = tmp_path / "nvidia-smi"
+  smi.write_text(f'#!/bin/sh\ncase "$*" in\n  *-lms*) while :; do echo "{sample}"; sleep 0.02; done ;;\n'
+                 f'  *) echo "{sample}" ;;\nesac\n')
+  smi.chmod(0o755)
+  fields = gpu_power.query_fields(str(smi))
+  shape = common.SMOKE_SHAPES["smoke-a"]
+  row = gpu_power.measure_case("combine", shape, 64, "uniform", 0.3, str(smi), fields)
+  assert row["samples"] > 0 and row["power_w"] == 650.5 and row["sm_mhz"] == 1980
+  assert row["power_cap_share"] == 1.0 and row["hw_slowdown_share"] == 0.0 and "thermal_slowdown_share" not in row
+  per_second = row["launches"] / row["seconds"]
+  assert row["gb_per_s"] == pytest.approx((64 * shape.top_k + 64) * shape.hidden * 2 * per_second * 1e-9)
+  assert row["tflops"] == pytest.approx(2 * 64 * shape.top_k * shape.hidden * per_second * 1e-12)
+  assert row["pj_per_flop"] == pytest.approx(row["power_w"] / row["tflops"])
+  assert "gb_per_s" not in gpu_power.measure_case("down", shape, 64, "uniform", 0.1, str(smi), fields)
+
+
 def test_gemm_counters_reads_ncu_csv():
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import gemm_counters  # noqa: PLC0415 (the benchmarks folder is not a package)
