@@ -115,6 +115,13 @@ def varying_like(result: jax.Array, *operands) -> jax.Array:
   return jax.lax.pcast(result, tuple(sorted(axes)), to="varying") if axes else result
 
 
+def cotangent_for(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """A custom VJP's cotangent summed over the shard_map axes it varies over and its primal does not (what XLA's own
+  VJPs do for, say, weights replicated over a data axis), so that it has its primal's type."""
+  extra = varying_axes(cotangent) - varying_axes(primal)
+  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, **attrs):
   """`jax.ffi.ffi_call` whose results vary over the mesh axes its operands vary over.
 

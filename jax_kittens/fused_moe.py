@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import grouped_matmul, permute, routing
+from jax_kittens import _extension, grouped_matmul, permute, routing
 from jax_kittens.moe_stats import MoEStats
 
 
@@ -204,6 +204,9 @@ def _moe_bwd(limit, recompute, residuals, d_y):
   d_x = permute.combine(d_x_rows, sched.rows, addend=d_x_shared)
   d_weights = permute.slots_of_rows(d_row_weights, sched.rows).astype(weights.dtype)
   d_ids = np.zeros(sched.rows.shape, jax.dtypes.float0)
+  # Under shard_map, expert weights shared by the devices whose tokens vary get the sum of their gradients.
+  d_routed, d_shared = jax.tree.map(_extension.cotangent_for, (d_routed, d_shared), (
+      (w_gate, w_up, w_down), shared_experts))
   return (d_x, d_weights, d_ids, *d_routed, d_shared)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import _extension
+from jax_kittens import _extension, token_parallel
 from jax_kittens._checks import check_array
 
 ROW_ALIGN = 128
@@ -85,13 +85,6 @@ def _limit_attr(swiglu_limit):
   if not isinstance(swiglu_limit, int | float | np.floating | np.integer) or not swiglu_limit > 0:
     raise ValueError(f"swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
   return np.float32(swiglu_limit)
-
-
-def _cotangent_for(cotangent, primal):
-  """The cotangent of one rank's operand summed over the shard_map axes the operand does not vary over (what
-  lax.ragged_dot's VJP does for, say, weights replicated over a data axis), so it has its primal's type."""
-  extra = _extension.varying_axes(cotangent) - _extension.varying_axes(primal)
-  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,8 +289,9 @@ def _ragged_dot_bwd(out_dtype, residuals, d_out):
   lhs, rhs, group_sizes = residuals
   offsets = _offsets_of(group_sizes)
   d_out = d_out.astype(jnp.bfloat16)
-  d_lhs = _cotangent_for(gmm(d_out, rhs, offsets, group_sizes, transpose_rhs=True), lhs)
-  d_rhs = _cotangent_for(tgmm(lhs, d_out, offsets, group_sizes, out_dtype=jnp.float32).astype(rhs.dtype), rhs)
+  d_lhs = _extension.cotangent_for(gmm(d_out, rhs, offsets, group_sizes, transpose_rhs=True), lhs)
+  d_rhs = tgmm(lhs, d_out, offsets, group_sizes, out_dtype=jnp.float32).astype(rhs.dtype)
+  d_rhs = _extension.cotangent_for(d_rhs, rhs)
   return d_lhs, d_rhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
@@ -342,6 +336,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int32, consecutive row groups from row 0 (any sizes, 0 included;
       rows past ``sum(group_sizes)`` give 0, groups past row M are cut there). Negative sizes are invalid, as for
       `jax.lax.ragged_dot`: the result is then unspecified, but the kernels never read or write outside the buffers.
+      On a mesh of several devices outside shard_map, the kernels run on each device's block of lhs rows, the groups
+      cut to it (`jax_kittens.token_parallel`).
     precision: as for `jax.lax.dot`. The kernels take None or any `jax.lax.Precision` (for bf16 operands each
       means bf16 products summed in float32); a `jax.lax.DotAlgorithm` or preset goes to xla.
     preferred_element_type: output dtype (default lhs.dtype).
@@ -371,7 +367,19 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
                            out_sharding=out_sharding)
   if unsupported is not None:
     raise ValueError(f"backend='kittens' {unsupported}")
+  split = token_parallel.token_split(lhs)
+  if split is not None:  # rows of a multi-device mesh: each device multiplies its own (the FFI op would run whole)
+    return token_parallel.split_tokens(functools.partial(_ragged_dot_rows, axes=split.axes, out_dtype=out_dtype),
+                                       split, (lhs,), (rhs, group_sizes))
   return _ragged_dot_kittens(lhs, rhs, group_sizes, out_dtype)
+
+
+def _ragged_dot_rows(lhs, rhs, group_sizes, *, axes, out_dtype):
+  """ragged_dot of this device's rows ``lhs`` [M_local, K], block ``axis_index(axes)`` of the M rows: the groups cut
+  to the block."""
+  first_row = jax.lax.axis_index(axes) * lhs.shape[0]
+  local_offsets = jnp.clip(_offsets_of(group_sizes) - first_row, 0, lhs.shape[0])
+  return _ragged_dot_kittens(lhs, rhs, jnp.diff(local_offsets), out_dtype)
 
 
 _ragged_dot_kittens.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import _extension, fused_moe, reference
+from jax_kittens import _extension, fused_moe, reference, token_parallel
 from jax_kittens._checks import check_array
 from jax_kittens.moe_stats import MoEStats
 
@@ -156,7 +156,8 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     shared_experts: optional (w_gate [H, Is], w_up [H, Is], w_down [Is, H]) x.dtype, added to every token unweighted.
     swiglu_limit: optional float > 0: gate is clamped to <= limit and up to [-limit, limit] before the SwiGLU (all
       experts, shared included).
-    axis_name: the ``jax.shard_map`` mesh axis the experts are split over (expert parallelism), or None.
+    axis_name: the ``jax.shard_map`` mesh axis the experts are split over (expert parallelism), or None. With None,
+      arrays on a mesh of several devices outside shard_map split their tokens over it (`jax_kittens.token_parallel`).
     backend: "xla", "kittens" or "auto".
     recompute: re-derive forward intermediates in the backward pass instead of saving them (lower peak memory for
       more time; the kittens backward also reads x and dy from the tokens instead of from [R, H] row copies).
@@ -172,6 +173,15 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
                  return_stats=return_stats)
   check_moe_args(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, backend=backend,
                  recompute=recompute, **options)
+  split = None if axis_name is not None else token_parallel.token_split(x)
+  if split is not None:  # the tokens of a multi-device mesh: each device runs the layer on its share
+
+    def local_layer(x, weights, ids, w_gate, w_up, w_down, shared_experts):
+      return moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts, backend=backend,
+                     recompute=recompute, **options)
+
+    return token_parallel.split_tokens(local_layer, split, (x, weights, ids),
+                                       (w_gate, w_up, w_down, shared_experts), summed_outputs=return_stats)
   # Expert parallelism has its own kittens path (jax_kittens.expert_parallel).
   expert_parallel_kittens = backend == "kittens" or (backend == "auto" and
                                                     _extension.kittens_by_default(expert_parallel=True))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kittens import _extension
+from jax_kittens import _extension, token_parallel
 from jax_kittens._checks import check_array
 
 SCORES = ("softmax", "sigmoid")
@@ -159,6 +159,11 @@ def _route(logits, bias, top_k, score, renormalize, num_groups, top_groups, back
   if backend == "xla":
     ids = _route_ids_xla(jax.lax.stop_gradient(logits), top_k, score, bias, num_groups, top_groups)
     return routing_weights(logits, ids, score, renormalize), ids
+  split = token_parallel.token_split(logits)
+  if split is not None:  # rows of a multi-device mesh: each device routes its own (the FFI op would run whole)
+    return token_parallel.split_tokens(
+        lambda logits, bias: _route(logits, bias, top_k, score, renormalize, num_groups, top_groups, backend), split,
+        (logits,), (bias,))
   weights, ids = _route_ids_ffi(jax.lax.stop_gradient(logits), top_k, score, bias, renormalize, num_groups,
                                 top_groups)
   return _with_routing_derivative(weights, logits, ids, score, renormalize), ids
@@ -170,7 +175,8 @@ def route(logits: jax.Array, top_k: int, *, score: str = "softmax", bias: jax.Ar
   """Router scores and top-k in one fused op.
 
   Args:
-    logits: [..., T, E] float32 or bfloat16 router logits.
+    logits: [..., T, E] float32 or bfloat16 router logits. On a mesh of several devices outside shard_map, the kernel
+      runs on each device's share of dim 0 (`jax_kittens.token_parallel`).
     top_k: experts per token, 1 <= top_k <= E.
     score: "softmax" (probabilities over all E experts) or "sigmoid" (independent per expert).
     bias: optional [E] float32 selection bias (sigmoid only): added to the scores to choose experts, never to the
