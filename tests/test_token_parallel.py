@@ -92,6 +92,32 @@ def test_moe_ffn_splits_tokens_over_the_mesh(backend, mesh_shape, axis_type, x_s
     assert got.sharding.is_fully_replicated and rel_error(got, want) < 1e-2
 
 
+def test_kittens_layer_in_the_callers_shard_map_sums_the_shared_weights_gradients():
+  """The split done by hand: the kittens layer inside a shard_map over the tokens, expert weights replicated (what
+  models/train.py does where the experts do not divide over the devices). Their gradients come back summed."""
+  rng = np.random.default_rng(1)
+  layer = random_layer(rng, 96, 64, 64, 4, 2, load="uniform", shared=64)
+  args = bf16_args(layer)
+  d_y = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+
+  def grads(x, weights, ids, w_gate, w_up, w_down, shared, d_y):
+    def loss(x, weights, w_gate, w_up, w_down, shared):
+      y = jk.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared, backend="kittens")
+      return jnp.sum(y.astype(jnp.float32) * d_y)
+    return jax.grad(loss, argnums=tuple(range(6)))(x, weights, w_gate, w_up, w_down, shared)
+
+  with jax.default_device(jax.devices("cpu")[0]):
+    want = jax.jit(grads)(*args, d_y)
+  tokens, whole = P("a"), P()
+  by_hand = jax.jit(jax.shard_map(grads, mesh=cpu_mesh((4,), ("a",)), in_specs=(tokens,) * 3 + (whole,) * 4 + (tokens,),
+                                  out_specs=(tokens, tokens, whole, whole, whole, whole)))
+  got = by_hand(*args, d_y)
+  for name, g, w in zip(("x", "weights"), got[:2], want[:2]):
+    assert rel_error(g, w) == 0.0, name
+  for g, w in zip(jax.tree.leaves(got[2:]), jax.tree.leaves(want[2:])):
+    assert rel_error(g, w) < 1e-2
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_route_splits_rows_over_the_mesh(score):
   mesh = cpu_mesh((4,), ("a",))
