@@ -190,8 +190,9 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
 
     return expert_parallel.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
                                    recompute=recompute, **options)
-  # "auto" falls back to xla for the layers the fused kernels do not take (dtype, feature sizes).
-  if resolve_backend(backend) == "kittens" and (
+  # "auto" falls back to xla for the layers the fused kernels do not take (dtype, feature sizes), and under axis_name
+  # wherever expert parallelism does not default to the kernels.
+  if axis_name is None and resolve_backend(backend) == "kittens" and (
       backend == "kittens" or fused_moe.unsupported_reason(x, w_gate, shared_experts) is None):
     return fused_moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
                              recompute=recompute, **options)

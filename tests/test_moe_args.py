@@ -140,6 +140,25 @@ def test_auto_on_a_gpu_follows_jax_kittens_auto(monkeypatch, choice, single_devi
   assert _extension.kittens_by_default(expert_parallel=True) == expert_parallel
 
 
+def test_auto_under_axis_name_on_a_gpu_is_the_xla_layer(monkeypatch):
+  """On a GPU with the kernels, "auto" under axis_name is the pure-JAX layer until expert parallelism defaults to
+  the kernels (it used to reach the single-device kittens layer, which raised)."""
+  monkeypatch.setattr(_extension, "kittens_by_default", lambda *, expert_parallel=False: not expert_parallel)
+  num_ranks = 2
+  layer = random_layer(np.random.default_rng(), 8 * num_ranks, 64, 64, 2 * num_ranks, 2)  # sizes the kernels take
+  layer = {name: (jnp.asarray(v, jnp.bfloat16) if name in ("x", "w_gate", "w_up", "w_down") else v)
+           for name, v in layer.items()}
+  mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
+
+  def local(backend):
+    return lambda *args: moe.moe_ffn(*args, axis_name="ep", backend=backend)
+
+  args = (layer["x"], layer["weights"], layer["ids"], layer["w_gate"], layer["w_up"], layer["w_down"])
+  y = {backend: jax.jit(jax.shard_map(local(backend), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(*args)
+       for backend in ("auto", "xla")}
+  np.testing.assert_array_equal(np.asarray(y["auto"], np.float32), np.asarray(y["xla"], np.float32))
+
+
 @pytest.mark.parametrize("arch,capability,runs", [
     ("sm_90a", (9, 0), True), ("sm_90a", (10, 0), False), ("sm_90a", (8, 0), False), ("sm_100a", (10, 0), True),
     ("sm_80", (8, 6), True), ("sm_86", (8, 0), False), ("sm_80", (9, 0), False), ("compute_90a", (9, 0), False)])
