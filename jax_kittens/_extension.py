@@ -58,6 +58,16 @@ def cuda_unavailable_reason() -> str | None:
   return None
 
 
+def mesh_platform() -> str:
+  """The platform of the devices of the mesh in scope (inside ``shard_map``: the devices the call runs on), else
+  `default_platform`. A GPU machine's CPU devices are "cpu" here while JAX's default backend is "gpu"."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  if platform is None:
+    return default_platform()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def default_platform() -> str:
   """The platform that computations go to by default: `jax.default_device`'s where one is set, else JAX's default
   backend ("cpu", "gpu", "tpu")."""

@@ -218,7 +218,7 @@ def dispatch(x: jax.Array, ids: jax.Array, *, axis_name: str, experts_per_rank: 
   num_positions = num_tokens * top_k
   capacity = receive_capacity(num_tokens, top_k, num_ranks, experts_per_rank, row_bytes, capacity_factor)
   if heap is None:
-    heap = default_heap(num_ranks, num_positions * row_bytes)
+    heap = default_heap(num_ranks, num_positions * row_bytes, _extension.mesh_platform())
   elif not isinstance(heap, SymmetricHeap):
     raise TypeError(f"heap must be a SymmetricHeap, got {type(heap).__name__}")
   if heap.num_ranks != num_ranks:

@@ -211,7 +211,8 @@ _DEFAULTS: dict[tuple, SymmetricHeap] = {}
 
 
 def default_heap(num_ranks: int, area_bytes: int, platform: str | None = None) -> SymmetricHeap:
-  """The lazily created heap for ``num_ranks`` ranks of ``platform`` (default: JAX's default backend).
+  """The lazily created heap for ``num_ranks`` ranks of ``platform`` ("cpu" or "gpu"; default: JAX's default
+  backend; expert-parallel calls pass their mesh's).
 
   CPU and single-process GPU: the first ``num_ranks`` devices of the platform in this process, which is rank order
   for ``Mesh(jax.devices()[:n], ...)``; build a `SymmetricHeap` yourself for other device orders. Several processes

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_kittens import expert_parallel, moe, reference, symmetric_heap
+from jax_kittens import _extension, expert_parallel, moe, reference, symmetric_heap
 from jax_kittens.symmetric_heap import SymmetricHeap
 from moe_oracle import kept_under_capacity, moe_forward_backward, random_layer
 from sharded import ep_mesh, sharded_forward_backward
@@ -181,6 +181,17 @@ def test_default_heap_survives_recompiles(rng):
   y_again, _ = _forward(mesh, None)(*_layer_args(layer))
   assert symmetric_heap.heap_stats() == live
   np.testing.assert_array_equal(y_first, y_again)
+
+
+def test_default_heap_is_on_the_meshs_devices(rng, monkeypatch):
+  """On a GPU machine (JAX's default backend "gpu"), a layer over a mesh of CPU devices stages through a CPU heap:
+  the default heap follows the devices the call runs on (it used to take JAX's default backend, and failed there)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(_extension, "cuda_unavailable_reason", lambda: None)  # kernels that run on that GPU
+  layer = random_layer(rng, 8 * 2, 8, 8, 4, 2)
+  y, _ = _forward(ep_mesh(2), None)(*_layer_args(layer))
+  np.testing.assert_allclose(np.asarray(y, np.float32), moe_forward_backward(**layer, d_y=np.zeros((16, 8)))[0],
+                             **TOLERANCE)
 
 
 def test_peer_that_never_signals_times_out(rng):
