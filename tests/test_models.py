@@ -109,7 +109,7 @@ def test_expert_parallel_mesh_matches_one_device():
   """4 host devices, experts split over them (EP through moe_ffn(axis_name=...)) and tokens data-parallel: the
   same losses step after step and the same gradients. The load-balancing loss is left out of the gradient check: each
   data shard balances its own tokens (f_e and P_e per shard, then averaged), so it differs from one device's."""
-  config = get_config("tiny", **MICRO, load_balancing_weight=0.0)
+  config = get_config("tiny", **MICRO, load_balancing_weight=0.0, dtype="float32")  # "auto": bf16 on a GPU machine
   devices = jax.devices("cpu")
   if len(devices) < 4:
     pytest.skip("needs 4 host devices (conftest sets --xla_force_host_platform_device_count=8)")
