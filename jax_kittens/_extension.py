@@ -58,14 +58,17 @@ def cuda_unavailable_reason() -> str | None:
   return None
 
 
+def _platform_kind(platform: str) -> str:
+  """A device platform as JAX's backends name it: "cuda" and "rocm" devices are "gpu"."""
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def mesh_platform() -> str:
   """The platform of the devices of the mesh in scope (inside ``shard_map``: the devices the call runs on), else
   `default_platform`. A GPU machine's CPU devices are "cpu" here while JAX's default backend is "gpu"."""
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   platform = getattr(device, "platform", None)
-  if platform is None:
-    return default_platform()
-  return "gpu" if platform in ("cuda", "rocm") else platform
+  return default_platform() if platform is None else _platform_kind(platform)
 
 
 def default_platform() -> str:
@@ -74,8 +77,7 @@ def default_platform() -> str:
   device = jax.config.jax_default_device
   if device is None:
     return jax.default_backend()
-  platform = device if isinstance(device, str) else device.platform
-  return "gpu" if platform in ("cuda", "rocm") else platform
+  return _platform_kind(device if isinstance(device, str) else device.platform)
 
 
 def cuda_available() -> bool:
