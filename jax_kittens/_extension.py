@@ -63,12 +63,18 @@ def _platform_kind(platform: str) -> str:
   return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def mesh_platform() -> str:
-  """The platform of the devices of the mesh in scope (inside ``shard_map``: the devices the call runs on), else
-  `default_platform`. A GPU machine's CPU devices are "cpu" here while JAX's default backend is "gpu"."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  platform = getattr(device, "platform", None)
-  return default_platform() if platform is None else _platform_kind(platform)
+def mesh_platform(*arrays) -> str:
+  """The platform a traced computation runs on, as far as tracing tells: the devices of the mesh the first of
+  ``arrays`` that lives on one is laid out over, else those of the mesh in scope (inside ``shard_map``: the devices
+  the call runs on), else `default_platform`. A GPU machine's CPU devices are "cpu" here while JAX's default backend
+  is "gpu". A single-device array tells nothing under `jax.jit`: its computation is taken to run on the default."""
+  in_scope = jax.sharding.get_abstract_mesh()
+  meshes = [getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None) for a in arrays if a is not None]
+  for mesh in [*meshes, in_scope]:
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None:
+      return _platform_kind(device.platform)
+  return default_platform()
 
 
 def default_platform() -> str:
@@ -80,36 +86,39 @@ def default_platform() -> str:
   return _platform_kind(device if isinstance(device, str) else device.platform)
 
 
-def cuda_available() -> bool:
-  """True when computations go to a GPU (`default_platform`) and the extension holds CUDA handlers that run on it."""
-  return default_platform() == "gpu" and cuda_unavailable_reason() is None
+def cuda_available(*arrays) -> bool:
+  """True when a computation on ``arrays`` runs on a GPU (`mesh_platform`) and the extension holds CUDA handlers that
+  run on it."""
+  return mesh_platform(*arrays) == "gpu" and cuda_unavailable_reason() is None
 
 
-def targets_unavailable_reason() -> str | None:
-  """None where the FFI targets run on the default platform (the CPU twins on CPU, the CUDA handlers on the GPUs
-  they were built for), else why not."""
-  platform = default_platform()
+def targets_unavailable_reason(*arrays) -> str | None:
+  """None where the FFI targets run on the platform of a computation on ``arrays`` (the CPU twins on CPU, the CUDA
+  handlers on the GPUs they were built for), else why not."""
+  platform = mesh_platform(*arrays)
   if platform == "gpu":
     reason = cuda_unavailable_reason()
     return None if reason is None else f"the jax_kittens CUDA kernels {reason}"
   return None if platform == "cpu" else f"jax_kittens runs on CPUs and NVIDIA GPUs, not on {platform}"
 
 
-def targets_by_default() -> bool:
-  """Whether backend="auto" of `route` and `schedule` picks their FFI targets: wherever they run, unless
-  JAX_KITTENS_AUTO=xla."""
-  return targets_unavailable_reason() is None and os.environ.get("JAX_KITTENS_AUTO", "") != "xla"
+def targets_by_default(*arrays) -> bool:
+  """Whether backend="auto" of `route` and `schedule` on ``arrays`` picks their FFI targets: wherever they run,
+  unless JAX_KITTENS_AUTO=xla."""
+  return targets_unavailable_reason(*arrays) is None and os.environ.get("JAX_KITTENS_AUTO", "") != "xla"
 
 
-def kittens_by_default(*, expert_parallel: bool = False) -> bool:
-  """Whether backend="auto" of the MoE layer and of ragged_dot picks the kittens kernels.
+def kittens_by_default(*arrays, expert_parallel: bool = False) -> bool:
+  """Whether backend="auto" of the MoE layer and of ragged_dot on ``arrays`` picks the kittens kernels.
 
-  Where they run (a GPU the CUDA handlers were built for). The single-device kernels pass the GPU test suite
-  (README, "Status"); expert parallelism over several GPUs has not run yet, so under ``axis_name`` "auto" means xla
-  unless JAX_KITTENS_AUTO=kittens. JAX_KITTENS_AUTO=xla makes "auto" mean xla everywhere.
+  Where they run (a GPU the CUDA handlers were built for; on CPU devices, a GPU machine's included, "auto" is the
+  pure-JAX path, which XLA compiles, and the CPU twins run for backend="kittens"). The single-device kernels pass
+  the GPU test suite (README, "Status"); expert parallelism over several GPUs has not run yet, so under
+  ``axis_name`` "auto" means xla unless JAX_KITTENS_AUTO=kittens. JAX_KITTENS_AUTO=xla makes "auto" mean xla
+  everywhere.
   """
   choice = os.environ.get("JAX_KITTENS_AUTO", "")
-  if choice == "xla" or not cuda_available():
+  if choice == "xla" or not cuda_available(*arrays):
     return False
   return choice == "kittens" or not expert_parallel
 
@@ -142,7 +151,7 @@ def ffi_call(target: str, out_types, *operands, vmap_method: str | None = None, 
   jax_kittens op calls its targets through here. Where its targets do not run (a GPU the CUDA handlers were not
   built for, a platform other than CPU and GPU), it raises at trace time instead of failing at the launch.
   """
-  if (reason := targets_unavailable_reason()) is not None:
+  if (reason := targets_unavailable_reason(*operands)) is not None:
     raise ValueError(f"{target}: {reason}; use backend='xla' (or 'auto', which picks it there)")
   results = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)(*operands, **attrs)
   if isinstance(results, (tuple, list)):

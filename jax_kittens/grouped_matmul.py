@@ -343,7 +343,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     preferred_element_type: output dtype (default lhs.dtype).
     group_offset, out_sharding: passed to `jax.lax.ragged_dot`; the kernels take only None.
     backend: "kittens" (the grouped GEMM kernels: bf16 operands, K and N multiples of FEATURE_ALIGN; anything else
-      raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens where `_extension.kittens_by_default()` and the
+      raises), "xla" (`jax.lax.ragged_dot`) or "auto" (kittens where `_extension.kittens_by_default(lhs)` and the
       arguments are supported, else xla).
 
   Returns:
@@ -361,7 +361,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   unsupported = _kittens_unsupported(lhs, rhs, group_sizes, precision, out_dtype, group_offset, out_sharding)
   if backend == "auto":
-    backend = "kittens" if unsupported is None and _extension.kittens_by_default() else "xla"
+    backend = "kittens" if unsupported is None and _extension.kittens_by_default(lhs) else "xla"
   if backend == "xla":
     return _lax_ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset=group_offset,
                            out_sharding=out_sharding)

@@ -131,11 +131,11 @@ def check_moe_args(x, weights, ids, w_gate, w_up, w_down, *, shared_experts=None
                   shared_intermediate)
 
 
-def resolve_backend(backend: str) -> str:
-  """"auto" -> "kittens" where `_extension.kittens_by_default()`, else "xla"."""
+def resolve_backend(backend: str, x: jax.Array | None = None) -> str:
+  """"auto" -> "kittens" where `_extension.kittens_by_default(x)` (for a layer on tokens ``x``), else "xla"."""
   if backend != "auto":
     return backend
-  return "kittens" if _extension.kittens_by_default() else "xla"
+  return "kittens" if _extension.kittens_by_default(x) else "xla"
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -184,7 +184,7 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
                                        (w_gate, w_up, w_down, shared_experts), summed_outputs=return_stats)
   # Expert parallelism has its own kittens path (jax_kittens.expert_parallel).
   expert_parallel_kittens = backend == "kittens" or (backend == "auto" and
-                                                    _extension.kittens_by_default(expert_parallel=True))
+                                                    _extension.kittens_by_default(x, expert_parallel=True))
   if axis_name is not None and expert_parallel_kittens:
     from jax_kittens import expert_parallel  # noqa: PLC0415 (loads the heap machinery only when used)
 
@@ -192,7 +192,7 @@ def moe_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
                                    recompute=recompute, **options)
   # "auto" falls back to xla for the layers the fused kernels do not take (dtype, feature sizes), and under axis_name
   # wherever expert parallelism does not default to the kernels.
-  if axis_name is None and resolve_backend(backend) == "kittens" and (
+  if axis_name is None and resolve_backend(backend, x) == "kittens" and (
       backend == "kittens" or fused_moe.unsupported_reason(x, w_gate, shared_experts) is None):
     return fused_moe.moe_ffn(x, weights, ids, w_gate, w_up, w_down, shared_experts=shared_experts,
                              recompute=recompute, **options)

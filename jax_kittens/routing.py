@@ -44,11 +44,11 @@ def num_schedule_rows(num_entries: int, num_experts: int, align: int = 1) -> int
   return num_entries + num_experts * (align - 1)
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, array: jax.Array) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
-    return "kittens" if _extension.targets_by_default() else "xla"
+    return "kittens" if _extension.targets_by_default(array) else "xla"
   return backend
 
 
@@ -192,7 +192,7 @@ def route(logits: jax.Array, top_k: int, *, score: str = "softmax", bias: jax.Ar
     ids: [..., T, top_k] int32. Ties go to the higher score, then the lower expert id.
   """
   _check_route_args(logits, top_k, score, bias, num_groups, top_groups)
-  backend = _resolve_backend(backend)
+  backend = _resolve_backend(backend, logits)
   return _route(logits, bias, int(top_k), score, bool(renormalize), num_groups, top_groups, backend)
 
 
@@ -240,7 +240,7 @@ def schedule(ids: jax.Array, num_experts: int, *, align: int = 1, backend: str =
     raise ValueError(f"align must be a positive int, got {align!r}")
   if num_schedule_rows(ids.size, num_experts, align) >= 2**31:
     raise ValueError(f"ids.size={ids.size} with num_experts={num_experts}, align={align} overflows int32 rows")
-  backend = _resolve_backend(backend)
+  backend = _resolve_backend(backend, ids)
   if backend == "xla":
     return _schedule_xla(ids, int(num_experts), int(align))
   return _schedule_ffi(ids, int(num_experts), int(align))

@@ -131,7 +131,7 @@ def test_auto_is_xla_on_cpu():
     (None, True, False), ("kittens", True, True), ("xla", False, False)])
 def test_auto_on_a_gpu_follows_jax_kittens_auto(monkeypatch, choice, single_device, expert_parallel):
   """Where the kernels run: "auto" is kittens on one device; expert parallelism only with JAX_KITTENS_AUTO=kittens."""
-  monkeypatch.setattr(_extension, "cuda_available", lambda: True)
+  monkeypatch.setattr(_extension, "cuda_available", lambda *arrays: True)
   if choice is None:
     monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
   else:
@@ -143,7 +143,7 @@ def test_auto_on_a_gpu_follows_jax_kittens_auto(monkeypatch, choice, single_devi
 def test_auto_under_axis_name_on_a_gpu_is_the_xla_layer(monkeypatch):
   """On a GPU with the kernels, "auto" under axis_name is the pure-JAX layer until expert parallelism defaults to
   the kernels (it used to reach the single-device kittens layer, which raised)."""
-  monkeypatch.setattr(_extension, "kittens_by_default", lambda *, expert_parallel=False: not expert_parallel)
+  monkeypatch.setattr(_extension, "kittens_by_default", lambda *arrays, expert_parallel=False: not expert_parallel)
   num_ranks = 2
   layer = random_layer(np.random.default_rng(), 8 * num_ranks, 64, 64, 2 * num_ranks, 2)  # sizes the kernels take
   layer = {name: (jnp.asarray(v, jnp.bfloat16) if name in ("x", "w_gate", "w_up", "w_down") else v)
@@ -157,6 +157,45 @@ def test_auto_under_axis_name_on_a_gpu_is_the_xla_layer(monkeypatch):
   y = {backend: jax.jit(jax.shard_map(local(backend), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(*args)
        for backend in ("auto", "xla")}
   np.testing.assert_array_equal(np.asarray(y["auto"], np.float32), np.asarray(y["xla"], np.float32))
+
+
+def test_on_a_gpu_machine_cpu_devices_are_cpu(monkeypatch):
+  """JAX's default backend "gpu", and a computation on the machine's CPU devices: inside shard_map over them, or on
+  arrays laid out over them, "auto" is what it is on a CPU machine (xla for the layer and ragged_dot), and
+  backend="kittens" runs the CPU twins even where the CUDA kernels cannot run on the GPU. On a single-device array
+  the default platform decides."""
+  monkeypatch.setattr(_extension, "default_platform", lambda: "gpu")
+  monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+  lhs = jnp.asarray(np.random.default_rng(2).standard_normal((16, 64)), jnp.bfloat16)
+  rhs = jnp.asarray(np.random.default_rng(3).standard_normal((2, 64, 64)), jnp.bfloat16)
+  group_sizes = jnp.asarray([3, 5], jnp.int32)
+  seen = {}
+
+  def record(name):
+    def local(lhs):
+      seen[name] = (_extension.mesh_platform(lhs), _extension.kittens_by_default(lhs), moe.resolve_backend("auto", lhs))
+      return lhs
+    return local
+
+  monkeypatch.setattr(_extension, "cuda_unavailable_reason", lambda: None)  # kernels that run on that GPU
+  jax.jit(record("single device"))(lhs)
+  jax.jit(jax.shard_map(record("shard_map"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))(lhs)
+  jax.jit(record("sharded"))(jax.device_put(lhs, jax.sharding.NamedSharding(mesh, P("d"))))
+  assert seen == {"single device": ("gpu", True, "kittens"), "shard_map": ("cpu", False, "xla"),
+                  "sharded": ("cpu", False, "xla")}
+
+  reason = "are built for sm_90a, which NVIDIA B200 (GPU 0, compute capability 10.0) cannot run"
+  monkeypatch.setattr(_extension, "cuda_unavailable_reason", lambda: reason)
+  with pytest.raises(ValueError, match=re.escape(reason)):
+    grouped_matmul.ragged_dot(lhs, rhs, group_sizes, backend="kittens")
+
+  def on_cpu_devices(lhs):
+    return grouped_matmul.ragged_dot(lhs, rhs, group_sizes, backend="kittens")
+
+  got = jax.jit(jax.shard_map(on_cpu_devices, mesh=Mesh(np.array(jax.devices("cpu")[:1]), ("d",)), in_specs=P(),
+                              out_specs=P()))(lhs)
+  np.testing.assert_array_equal(got, jax.lax.ragged_dot(lhs, rhs, group_sizes))
 
 
 @pytest.mark.parametrize("arch,capability,runs", [
@@ -184,7 +223,7 @@ def test_on_a_gpu_without_its_kernels_auto_is_xla_and_kittens_raises(monkeypatch
   everywhere (routing included), and an explicit backend="kittens" raises at trace time, naming the GPU."""
   reason = "are built for sm_90a, which NVIDIA B200 (GPU 0, compute capability 10.0) cannot run"
   monkeypatch.setattr(_extension, "default_platform", lambda: "gpu")
-  monkeypatch.setattr(_extension, "cuda_available", lambda: False)
+  monkeypatch.setattr(_extension, "cuda_available", lambda *arrays: False)
   monkeypatch.setattr(_extension, "cuda_unavailable_reason", lambda: reason)
   monkeypatch.delenv("JAX_KITTENS_AUTO", raising=False)
   assert moe.resolve_backend("auto") == "xla"
