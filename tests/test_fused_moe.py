@@ -349,7 +349,7 @@ def test_dispatch_stats_and_errors(on_cpu, rng, monkeypatch):
   with pytest.raises(ValueError, match="w_up"):
     fused_moe.moe_ffn(*args[:4], args[4][:, :, :32], args[5])
   # Where "auto" picks the kernels (as on a GPU), it falls back to the reference for the layers they do not take.
-  monkeypatch.setattr(moe._extension, "kittens_by_default", lambda **_: True)
+  monkeypatch.setattr(moe._extension, "kittens_by_default", lambda *arrays, **_: True)
   np.testing.assert_array_equal(np.asarray(moe.moe_ffn(*args, backend="auto")), np.asarray(y))
   f32_args = tuple(jnp.asarray(a, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
   np.testing.assert_array_equal(np.asarray(moe.moe_ffn(*f32_args, backend="auto")),

@@ -371,7 +371,7 @@ def test_ragged_dot_vjp_matches_lax(case):
 
 def test_ragged_dot_auto_falls_back_for_unsupported_shapes(monkeypatch):
   """Where "auto" picks the kernels (as on a GPU), arguments they do not take go to xla instead of raising."""
-  monkeypatch.setattr(gm._extension, "kittens_by_default", lambda **_: True)
+  monkeypatch.setattr(gm._extension, "kittens_by_default", lambda *arrays, **_: True)
   rng = np.random.default_rng(7)
   lhs, rhs = bf16(rng, 10, 24), bf16(rng, 2, 24, 40)
   group_sizes = jnp.asarray([4, 6], jnp.int32)
@@ -402,7 +402,7 @@ def test_ragged_dot_takes_lax_arguments(monkeypatch):
     assert out.dtype == jnp.float32 and rel_err(out, ref) < BF16_TOL
 
   # "auto" where the kernels are the default: what they do not take goes to jax.lax.ragged_dot.
-  monkeypatch.setattr(gm._extension, "kittens_by_default", lambda **_: True)
+  monkeypatch.setattr(gm._extension, "kittens_by_default", lambda *arrays, **_: True)
   xla_calls = []
   monkeypatch.setattr(gm, "_lax_ragged_dot", lambda *args, **kwargs: xla_calls.append((args, kwargs)))
   gm.ragged_dot(lhs, rhs, group_sizes, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
