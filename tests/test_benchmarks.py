@@ -11,10 +11,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_script(script, *args):
+  """Runs benchmarks/``script`` with ``args``; a failure shows the end of its output (a bare CalledProcessError
+  said nothing of why, on a machine where only the test log comes back)."""
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 0, f"{script} {' '.join(map(str, args))} exited {result.returncode}:\n" + (
+      result.stdout + result.stderr)[-3000:]
+
+
 def test_layer_profile_smoke(tmp_path):
-  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_profile.py"), "--smoke", "--shapes",
-                  "smoke-a", "--warmup", "1", "--calls", "2", "--out-dir", str(tmp_path)], check=True, cwd=ROOT,
-                 capture_output=True, text=True)
+  run_script("layer_profile.py", "--smoke", "--shapes", "smoke-a", "--warmup", 1, "--calls", 2, "--out-dir", tmp_path)
   result = json.loads((tmp_path / "layer_profile_smoke_smoke-a.json").read_text())
   rows = result["rows"]
   # kittens and tokamax per routing and the dense chain, forward and forward+backward; the gate/up GEMM alone both
@@ -37,8 +44,7 @@ def test_layer_profile_smoke(tmp_path):
 
 
 def test_layer_spread_smoke(tmp_path):
-  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_spread.py"), "--smoke", "--shapes", "smoke-a",
-                  "--iters", "3", "--out-dir", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True)
+  run_script("layer_spread.py", "--smoke", "--shapes", "smoke-a", "--iters", 3, "--out-dir", tmp_path)
   rows = json.loads((tmp_path / "layer_spread_smoke_smoke-a.json").read_text())["rows"]
   assert [r["function"] for r in rows] == ["kittens_uniform", "kittens_skewed", "dense"]
   for row in rows:
@@ -132,8 +138,7 @@ def test_add_ratio_matches_routing_and_gives_dense_its_ceiling():
 def test_benchmark_tables_smoke(tmp_path):
   """ragged_dot.py and layer.py end to end on the tiny shapes: every backend that exists here gets a timing."""
   for script, name in (("ragged_dot.py", "ragged_dot_smoke"), ("layer.py", "layer_smoke")):
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", "--out-dir", str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True, text=True)
+    run_script(script, "--smoke", "--out-dir", tmp_path)
     rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
     assert {r["backend"] for r in rows} == {"kittens", "xla", "tokamax", "dense"}
     for row in rows:
@@ -149,8 +154,7 @@ def test_benchmark_tables_smoke(tmp_path):
 def test_layer_memory_smoke(tmp_path):
   """layer_memory.py end to end on one tiny shape: every case gets XLA's memory analysis and, from the live-range
   dump, the instructions around the peak and the largest buffers live there, the kernels' ones named."""
-  subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layer_memory.py"), "--smoke", "--shapes", "smoke-a",
-                  "--out-dir", str(tmp_path)], check=True, cwd=ROOT, capture_output=True, text=True)
+  run_script("layer_memory.py", "--smoke", "--shapes", "smoke-a", "--out-dir", tmp_path)
   rows = json.loads((tmp_path / "layer_memory_smoke_smoke-a.json").read_text())["rows"]
   assert [(r["layers"], r["recompute"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
   for row in rows:
@@ -164,8 +168,7 @@ def test_layer_memory_smoke(tmp_path):
 def test_gemm_counters_cases_run(tmp_path):
   """Each case's launches (what ncu profiles on the GPU) run on the tiny shapes."""
   for case in _benchmark_module("gemm_counters").CASES:
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gemm_counters.py"), "--run", case, "--shape",
-                    "smoke-a", "--smoke"], check=True, cwd=ROOT, capture_output=True, text=True)
+    run_script("gemm_counters.py", "--run", case, "--shape", "smoke-a", "--smoke")
 
 
 def test_gpu_power_with_a_stand_in_nvidia_smi(tmp_path):
