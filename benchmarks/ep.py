@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
                       help="heap backend: single-process GPUs (cuda), one process per GPU (nvshmem), or both")
   common.add_shapes_argument(parser)
   parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-  parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default 8192; smoke 200)")
+  parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default 8192; smoke 192)")
   parser.add_argument("--capacity-factor", type=float, default=2.0,
                       help="receive rows per rank / (T*k), the same for both backends")
   parser.add_argument("--iters", type=int, default=20)

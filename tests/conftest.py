@@ -1,4 +1,5 @@
-"""Test configuration: 8 host devices for the expert-parallel tests, poisoned kernel outputs, and the `gpu` marker."""
+"""Test configuration: 8 host devices for the expert-parallel tests, poisoned kernel outputs, GPU memory on demand,
+and the `gpu` marker."""
 
 import os
 
@@ -10,6 +11,10 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The CUDA handlers fill their outputs with NaN before their kernels run (csrc/ffi/ffi_util.h), so a missed element
 # fails the tests. Read once, at the first kernel call or build_info().
 os.environ["JAX_KITTENS_POISON_OUTPUTS"] = "1"
+# On a GPU, XLA would take 75% of its memory for this process at the first GPU call (the report header's), leaving the
+# benchmark scripts that tests/test_benchmarks.py runs as children too little: one saw its allocations and the
+# profiler fail (an H100, 5722278). Memory on demand instead, for this process and its children.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
