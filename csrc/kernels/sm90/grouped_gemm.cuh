@@ -1069,8 +1069,11 @@ __device__ __forceinline__ void consume(const TensorMaps& maps, const Params& p,
     // Waits for the stage of k step ks (tgmm: and fixes it up).
     auto acquire = [&](int32_t ks, uint32_t stage) {
       wait_barrier_at(full0 + 8 * stage, (it / kStages) & 1);
-      // cp.async writes through the generic proxy; the wgmma reads through the async proxy.
-      if constexpr (kGathered != Gathered::kNone) cutlass::arch::fence_view_async_shared();
+      // cp.async writes through the generic proxy; the wgmma reads through the async proxy. A forwarded lhs needs
+      // no fence here: the forwarder fenced this CTA's half before its arrival on the full barrier (its bulk copy
+      // reads the half through the async proxy too), and the peer's half came through the async proxy.
+      if constexpr (kGathered != Gathered::kNone && !Gather<kMode, kGathered, kCluster>::kForwards)
+        cutlass::arch::fence_view_async_shared();
       if constexpr (kMode == Mode::kTgmm)
         tgmm_zero_tail<kGathered>(tile, ks, smem + stage * kStageBytes, consumer_thread);
     };
