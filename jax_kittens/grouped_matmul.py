@@ -35,6 +35,11 @@ BACKENDS = ("auto", "kittens", "xla")
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # what the kernels' epilogues store
 _BF16 = (jnp.bfloat16,)  # the kernels' operands
 
+# Workspace results of the FFI ops, dropped here: XLA allocates them with the op, so that the CUDA handlers allocate
+# nothing and XLA can record them into command buffers (ffi/grouped_gemm_shapes.h).
+_TILE_COUNTER = jax.ShapeDtypeStruct((1,), jnp.int32)  # the persistent kernels' tile queue
+_TILE_COLS = 256  # output columns of a dgrad tile: its router-weight partials come one per row and 256-column block
+
 # ragged_dot's xla backend, taken at import: a model patched with ``jax.lax.ragged_dot = jax_kittens.ragged_dot``
 # must not reach ragged_dot again through it.
 _lax_ragged_dot = jax.lax.ragged_dot
@@ -135,8 +140,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: j
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)
-  return _extension.ffi_call("jk_gmm", out_type, lhs, lhs2, rhs, rhs2, group_offsets, group_sizes,
-                             vmap_method="sequential", transpose_rhs=bool(transpose_rhs))
+  out, _ = _extension.ffi_call("jk_gmm", (out_type, _TILE_COUNTER), lhs, lhs2, rhs, rhs2, group_offsets,
+                               group_sizes, vmap_method="sequential", transpose_rhs=bool(transpose_rhs))
+  return out
 
 
 def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array,
@@ -173,9 +179,9 @@ def gmm_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_offsets: 
   saved_rows = rows if save_preactivations else 0
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16),
-               jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16))
-  act, gate, up = _extension.ffi_call("jk_gmm_swiglu", out_types, x, row_tokens, w_gate, w_up, group_offsets,
-                                      group_sizes, vmap_method="sequential", swiglu_limit=limit)
+               jax.ShapeDtypeStruct((saved_rows, inner), jnp.bfloat16), _TILE_COUNTER)
+  act, gate, up, _ = _extension.ffi_call("jk_gmm_swiglu", out_types, x, row_tokens, w_gate, w_up, group_offsets,
+                                         group_sizes, vmap_method="sequential", swiglu_limit=limit)
   return (act, gate, up) if save_preactivations else act
 
 
@@ -225,11 +231,12 @@ def gmm_swiglu_dgrad(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.
   out_types = (jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows, inner), jnp.bfloat16),
                jax.ShapeDtypeStruct((rows,), jnp.float32),
-               jax.ShapeDtypeStruct((rows if save_weighted_act else 0, inner), jnp.bfloat16))
+               jax.ShapeDtypeStruct((rows if save_weighted_act else 0, inner), jnp.bfloat16),
+               jax.ShapeDtypeStruct((-(-inner // _TILE_COLS), rows), jnp.float32), _TILE_COUNTER)
   outs = _extension.ffi_call("jk_gmm_swiglu_dgrad", out_types, dy, row_tokens, w_down, gate, up, row_weights,
                              group_offsets, group_sizes, vmap_method="sequential",
                              swiglu_limit=_limit_attr(swiglu_limit))
-  return tuple(outs) if save_weighted_act else tuple(outs[:3])
+  return tuple(outs[:4]) if save_weighted_act else tuple(outs[:3])
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: jax.Array, *,
@@ -264,8 +271,9 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_offsets: jax.Array, group_sizes: 
   _check_groups(group_offsets, group_sizes, num_groups)
   out_dtype = _check_out_dtype(out_dtype)
   out_type = jax.ShapeDtypeStruct((num_groups, k, rhs.shape[1]), out_dtype)
-  return _extension.ffi_call("jk_tgmm", out_type, lhs, lhs_row_tokens, rhs, rhs_row_tokens, group_offsets,
-                             group_sizes, vmap_method="sequential")
+  out, _ = _extension.ffi_call("jk_tgmm", (out_type, _TILE_COUNTER), lhs, lhs_row_tokens, rhs, rhs_row_tokens,
+                               group_offsets, group_sizes, vmap_method="sequential")
+  return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ steps of the exact value: observed ~4e-3; we allow 1.5e-2.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -465,6 +466,40 @@ def test_gpu_layer_matches_reference(rng, load, shared, limit):
     y3, grads3 = grads_fn(fused_moe.moe_ffn, layer["ids"], d_y, swiglu_limit=limit, recompute=True)(
         *layer_args(layer))
     assert_close_to(y3, grads3, ref_y, ref_grads)
+
+
+def hlo_computations(hlo_text):
+  """{computation name: its instructions' text} of an HLO module's text."""
+  computations, name = {}, None
+  for line in hlo_text.splitlines():
+    if header := re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line):
+      name = header.group(1)
+      computations[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      computations[name].append(line)
+  return {name: "\n".join(lines) for name, lines in computations.items()}
+
+
+@pytest.mark.gpu
+def test_gpu_layer_recorded_into_command_buffers(rng):
+  """XLA records every grouped-GEMM call of the layer's forward and backward into its command buffers (CUDA graphs),
+  as it does the routing and permute targets': their CUDA handlers take their workspace as results (the tile counter,
+  the dgrad's partials) and allocate nothing, which a recorded call must not do (ffi/grouped_gemm_shapes.h)."""
+  targets = ("jk_gmm", "jk_gmm_swiglu", "jk_gmm_swiglu_dgrad", "jk_tgmm")
+  with jax.default_device(_gpu()):
+    layer = make_layer(rng, 2048, 1024, 512, 16, 4, "uniform", None, False)
+    d_y = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.float32)
+    hlo = grads_fn(fused_moe.moe_ffn, layer["ids"], d_y).lower(*layer_args(layer)).compile().as_text()
+  calls = {}  # target -> the computations that call it
+  for name, body in hlo_computations(hlo).items():
+    for target in targets:
+      calls.setdefault(target, []).extend([name] * body.count(f'custom_call_target="{target}"'))
+  print({target: sorted(set(names)) for target, names in calls.items()})
+  for target in targets:
+    assert calls[target], f"{target} is not called"
+    assert all("command_buffer" in name for name in calls[target]), f"{target} runs outside a command buffer"
 
 
 @pytest.mark.gpu

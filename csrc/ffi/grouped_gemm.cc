@@ -142,10 +142,11 @@ ffi::Error check_rows(int64_t rows) {
 
 ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::Buffer<ffi::BF16> rhs,
                   ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                  ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs) {
+                  ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> tile_counter, bool transpose_rhs) {
   gg::GmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
                                        offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
@@ -171,11 +172,13 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::
 ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_gate,
                         ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
                         ffi::ResultBuffer<ffi::BF16> act, ffi::ResultBuffer<ffi::BF16> gate_out,
-                        ffi::ResultBuffer<ffi::BF16> up_out, float swiglu_limit) {
+                        ffi::ResultBuffer<ffi::BF16> up_out, ffi::ResultBuffer<ffi::S32> tile_counter,
+                        float swiglu_limit) {
   gg::SwigluShape s;
   JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
                                           w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
                                           offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   const OperandRows lhs_row(x, row_tokens);
   SwigluClamp clamp{swiglu_limit};
@@ -215,12 +218,15 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> ro
                              ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
                              ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
                              ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
-                             ffi::ResultBuffer<ffi::BF16> weighted_act, float swiglu_limit) {
+                             ffi::ResultBuffer<ffi::BF16> weighted_act,
+                             ffi::ResultBuffer<ffi::F32> row_weight_partials, ffi::ResultBuffer<ffi::S32> tile_counter,
+                             float swiglu_limit) {
   gg::DgradShape s;
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
                                          gate.dimensions(), up.dimensions(), row_weights.element_count(),
-                                         weighted_act->dimensions(), offsets.element_count(), sizes.element_count(),
-                                         &s));
+                                         weighted_act->dimensions(), row_weight_partials->dimensions(),
+                                         offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu_dgrad", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   const OperandRows dy_row(dy, row_tokens);
   SwigluClamp clamp{swiglu_limit};
@@ -230,8 +236,9 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> ro
     if (o != nullptr) std::fill_n(o, s.rows * s.inner, kBf16Nan);
   }
   // Per-(n block, row) partials summed in block order afterwards: the kernels' deterministic reduction.
-  int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
-  std::vector<float> partials(n_blocks * s.rows, std::numeric_limits<float>::quiet_NaN());
+  const int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
+  float* partials = row_weight_partials->typed_data();
+  poison(partials, ffi::F32, row_weight_partials->element_count());
   std::vector<float> g(gg::kTileCols);
   JK_FFI_RETURN_IF_ERROR(for_each_tile_row<gg::kTileCols>(
       layout_of(offsets, sizes, s.groups, s.rows), static_cast<int32_t>(s.inner),
@@ -270,11 +277,12 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> ro
 
 ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tokens, ffi::Buffer<ffi::BF16> rhs,
                    ffi::Buffer<ffi::S32> rhs_row_tokens, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                   ffi::Result<ffi::AnyBuffer> out) {
+                   ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> tile_counter) {
   gg::TgmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
                                         rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
                                         sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_tgmm", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");

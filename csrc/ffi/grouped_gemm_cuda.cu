@@ -133,14 +133,12 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
   return ffi::Error::Success();
 }
 
-// The tile queue's counter comes from XLA's scratch memory, zeroed on the stream.
+// The tile queue's counter is the op's tile_counter workspace result, zeroed on the stream.
 template <sm90::Mode kMode, bool kBMnMajor, typename OutT, sm90::Gathered kGathered = sm90::Gathered::kNone>
-ffi::Error launch(cudaStream_t stream, ffi::ScratchAllocator& scratch, const sm90::TensorMaps& maps,
-                  sm90::Params params, int64_t max_tiles, int64_t n_blocks) {
+ffi::Error launch(cudaStream_t stream, int32_t* tile_counter, const sm90::TensorMaps& maps, sm90::Params params,
+                  int64_t max_tiles, int64_t n_blocks) {
   if (max_tiles <= 0) return ffi::Error::Success();
-  auto counter = scratch.Allocate(sizeof(int32_t));
-  JK_FFI_CHECK(counter.has_value(), "grouped GEMM: scratch allocation of the tile counter failed");
-  params.tile_counter = static_cast<int32_t*>(*counter);
+  params.tile_counter = tile_counter;
   JK_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream));
   if (n_blocks % 2 != 0) {
     return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGathered>(stream, maps, params, max_tiles);
@@ -182,13 +180,14 @@ ffi::Error set_gathered(const char* op, const void* tokens, int64_t num_tokens, 
   return ffi::Error::Success();
 }
 
-ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> lhs,
-                   ffi::Buffer<ffi::BF16> lhs2, ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2,
-                   ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
-                   bool transpose_rhs) {
+ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2,
+                   ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::BF16> rhs2, ffi::Buffer<ffi::S32> offsets,
+                   ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::ResultBuffer<ffi::S32> tile_counter, bool transpose_rhs) {
   gg::GmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
                                        offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm", {s.k1, s.k2, s.n}));
   JK_FFI_CHECK(s.k1 > 0 && s.n > 0, "jk_gmm: K1 and N must be positive");
   ffi::DataType type = out->element_type();
@@ -216,24 +215,26 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buff
   int64_t n_blocks = gg::ceil_div(s.n, gg::kTileCols);
   int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
+  int32_t* counter = tile_counter->typed_data();
   if (type == ffi::F32) {
-    return transpose_rhs ? launch<M::kGmm, false, float>(stream, scratch, maps, p, tiles, n_blocks)
-                         : launch<M::kGmm, true, float>(stream, scratch, maps, p, tiles, n_blocks);
+    return transpose_rhs ? launch<M::kGmm, false, float>(stream, counter, maps, p, tiles, n_blocks)
+                         : launch<M::kGmm, true, float>(stream, counter, maps, p, tiles, n_blocks);
   }
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.n));
-  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, scratch, maps, p, tiles, n_blocks)
-                       : launch<M::kGmm, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
+  return transpose_rhs ? launch<M::kGmm, false, uint16_t>(stream, counter, maps, p, tiles, n_blocks)
+                       : launch<M::kGmm, true, uint16_t>(stream, counter, maps, p, tiles, n_blocks);
 }
 
-ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> x,
-                         ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
-                         ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> act,
+ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_tokens,
+                         ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up, ffi::Buffer<ffi::S32> offsets,
+                         ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> act,
                          ffi::ResultBuffer<ffi::BF16> gate_out, ffi::ResultBuffer<ffi::BF16> up_out,
-                         float swiglu_limit) {
+                         ffi::ResultBuffer<ffi::S32> tile_counter, float swiglu_limit) {
   gg::SwigluShape s;
   JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
                                           w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
                                           offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
   JK_FFI_RETURN_IF_ERROR(poison_results(stream, *act, *gate_out, *up_out));
@@ -264,30 +265,31 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   using M = sm90::Mode;
   using G = sm90::Gathered;
-  return s.gathered ? launch<M::kSwiglu, true, uint16_t, G::kLhs>(stream, scratch, maps, p, tiles, n_blocks)
-                    : launch<M::kSwiglu, true, uint16_t>(stream, scratch, maps, p, tiles, n_blocks);
+  int32_t* counter = tile_counter->typed_data();
+  return s.gathered ? launch<M::kSwiglu, true, uint16_t, G::kLhs>(stream, counter, maps, p, tiles, n_blocks)
+                    : launch<M::kSwiglu, true, uint16_t>(stream, counter, maps, p, tiles, n_blocks);
 }
 
-ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> dy,
-                              ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::BF16> w_down,
-                              ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
+ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> row_tokens,
+                              ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> gate, ffi::Buffer<ffi::BF16> up,
                               ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> offsets,
                               ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::BF16> d_gate,
                               ffi::ResultBuffer<ffi::BF16> d_up, ffi::ResultBuffer<ffi::F32> d_row_weights,
-                              ffi::ResultBuffer<ffi::BF16> weighted_act, float swiglu_limit) {
+                              ffi::ResultBuffer<ffi::BF16> weighted_act,
+                              ffi::ResultBuffer<ffi::F32> row_weight_partials,
+                              ffi::ResultBuffer<ffi::S32> tile_counter, float swiglu_limit) {
   gg::DgradShape s;
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
                                          gate.dimensions(), up.dimensions(), row_weights.element_count(),
-                                         weighted_act->dimensions(), offsets.element_count(), sizes.element_count(),
-                                         &s));
+                                         weighted_act->dimensions(), row_weight_partials->dimensions(),
+                                         offsets.element_count(), sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu_dgrad", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
-  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *d_gate, *d_up, *d_row_weights, *weighted_act));
+  JK_FFI_RETURN_IF_ERROR(
+      poison_results(stream, *d_gate, *d_up, *d_row_weights, *weighted_act, *row_weight_partials));
   if (s.rows == 0) return ffi::Error::Success();
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
-  // XLA's scratch allocator refuses alignments above its own 64 bytes: ask for the default.
-  auto allocation = scratch.Allocate(static_cast<size_t>(n_blocks * s.rows) * sizeof(float));
-  JK_FFI_CHECK(allocation.has_value(), "jk_gmm_swiglu_dgrad: scratch allocation failed");
   sm90::TensorMaps maps{};
   // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
@@ -306,7 +308,7 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   p.gate_in = gate.typed_data();
   p.up_in = up.typed_data();
   p.row_weights = row_weights.typed_data();
-  p.row_weight_partials = static_cast<float*>(*allocation);
+  p.row_weight_partials = row_weight_partials->typed_data();
   p.clamp = {swiglu_limit};
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[0], p.out, s.rows, s.inner));
   JK_FFI_RETURN_IF_ERROR(output_map(&maps.out[1], p.out2, s.rows, s.inner));
@@ -314,8 +316,9 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   const int64_t tiles = row_tile_bound(s.rows, s.groups, n_blocks);
   constexpr sm90::Mode kDgrad = sm90::Mode::kSwigluDgrad;
   JK_FFI_RETURN_IF_ERROR(
-      (s.gathered ? launch<kDgrad, false, uint16_t, sm90::Gathered::kLhs>(stream, scratch, maps, p, tiles, n_blocks)
-                  : launch<kDgrad, false, uint16_t>(stream, scratch, maps, p, tiles, n_blocks)));
+      (s.gathered ? launch<kDgrad, false, uint16_t, sm90::Gathered::kLhs>(stream, tile_counter->typed_data(), maps,
+                                                                          p, tiles, n_blocks)
+                  : launch<kDgrad, false, uint16_t>(stream, tile_counter->typed_data(), maps, p, tiles, n_blocks)));
   constexpr int kThreads = 256;
   sm90::sum_row_weight_partials<<<static_cast<unsigned>(gg::ceil_div(s.rows, kThreads)), kThreads, 0, stream>>>(
       p.row_weight_partials, static_cast<int32_t>(n_blocks), s.rows, d_row_weights->typed_data());
@@ -325,23 +328,24 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
 
 // tgmm's kernels for its output type: none, or one operand gathered.
 template <typename OutT>
-ffi::Error launch_tgmm(cudaStream_t stream, ffi::ScratchAllocator& scratch, const gg::TgmmShape& s,
+ffi::Error launch_tgmm(cudaStream_t stream, int32_t* tile_counter, const gg::TgmmShape& s,
                        const sm90::TensorMaps& maps, const sm90::Params& p, int64_t tiles, int64_t n_blocks) {
   using G = sm90::Gathered;
   constexpr sm90::Mode kTgmm = sm90::Mode::kTgmm;
-  if (s.lhs_gathered) return launch<kTgmm, true, OutT, G::kLhs>(stream, scratch, maps, p, tiles, n_blocks);
-  if (s.rhs_gathered) return launch<kTgmm, true, OutT, G::kRhs>(stream, scratch, maps, p, tiles, n_blocks);
-  return launch<kTgmm, true, OutT>(stream, scratch, maps, p, tiles, n_blocks);
+  if (s.lhs_gathered) return launch<kTgmm, true, OutT, G::kLhs>(stream, tile_counter, maps, p, tiles, n_blocks);
+  if (s.rhs_gathered) return launch<kTgmm, true, OutT, G::kRhs>(stream, tile_counter, maps, p, tiles, n_blocks);
+  return launch<kTgmm, true, OutT>(stream, tile_counter, maps, p, tiles, n_blocks);
 }
 
-ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> lhs,
-                    ffi::Buffer<ffi::S32> lhs_row_tokens, ffi::Buffer<ffi::BF16> rhs,
-                    ffi::Buffer<ffi::S32> rhs_row_tokens, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
-                    ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tokens,
+                    ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> rhs_row_tokens, ffi::Buffer<ffi::S32> offsets,
+                    ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::ResultBuffer<ffi::S32> tile_counter) {
   gg::TgmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
                                         rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
                                         sizes.element_count(), &s));
+  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_tgmm", tile_counter->element_count()));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");
@@ -372,35 +376,35 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buf
   }
   p.m_extent = static_cast<int32_t>(s.k);
   p.out = out->untyped_data();
-  if (type == ffi::F32) return launch_tgmm<float>(stream, scratch, s, maps, p, tiles, n_blocks);
+  if (type == ffi::F32) return launch_tgmm<float>(stream, tile_counter->typed_data(), s, maps, p, tiles, n_blocks);
   JK_FFI_RETURN_IF_ERROR(weights_map(&maps.out[0], p.out, s.groups, s.k, s.n, sm90::kStoreRows));
-  return launch_tgmm<uint16_t>(stream, scratch, s, maps, p, tiles, n_blocks);
+  return launch_tgmm<uint16_t>(stream, tile_counter->typed_data(), s, maps, p, tiles, n_blocks);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmCudaHandler, GmmCuda,
                               gmm_signature(ffi::Ffi::Bind()
-                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                .Ctx<ffi::ScratchAllocator>()));
+                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_gmm", "CUDA", GmmCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluCudaHandler, GmmSwigluCuda,
                               gmm_swiglu_signature(ffi::Ffi::Bind()
-                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                       .Ctx<ffi::ScratchAllocator>()));
+                                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_gmm_swiglu", "CUDA", GmmSwigluCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GmmSwigluDgradCudaHandler, GmmSwigluDgradCuda,
                               gmm_swiglu_dgrad_signature(ffi::Ffi::Bind()
-                                                             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                             .Ctx<ffi::ScratchAllocator>()));
+                                                             .Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_gmm_swiglu_dgrad", "CUDA", GmmSwigluDgradCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TgmmCudaHandler, TgmmCuda,
                               tgmm_signature(ffi::Ffi::Bind()
-                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                 .Ctx<ffi::ScratchAllocator>()));
+                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_tgmm", "CUDA", TgmmCudaHandler);
 
 }  // namespace jk

@@ -7,9 +7,16 @@
 #include <string>
 
 #include "ffi/ffi_util.h"
+#include "kernels/grouped_gemm.h"
 
 namespace jk {
 namespace grouped_gemm {
+
+// The tile queue's counter, a workspace result of every target (see the signatures below).
+inline ffi::Error tile_counter_shape(const char* op, int64_t count) {
+  JK_FFI_CHECK(count == 1, std::string(op) + ": tile_counter must be [1]");
+  return ffi::Error::Success();
+}
 
 // jk_gmm: lhs [R, K1] x rhs [G, K1, N] + lhs2 [R, K2] x rhs2 [G, K2, N] or, transposed, rhs [G, N, K1] and rhs2
 // [G, N, K2]. K2 = 0 (lhs2 [R, 0]) for one product.
@@ -71,7 +78,8 @@ inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_co
 }
 
 // jk_gmm_swiglu_dgrad: g = dy_rows @ w_down[G, I, H]^T with dy [R, H] rows, or dy [T, H] tokens and row_tokens [R]
-// (gathered); gate, up [R, I]; row_weights [R]; the weighted act output [R, I], or [0, I] when not saved.
+// (gathered); gate, up [R, I]; row_weights [R]; the weighted act output [R, I], or [0, I] when not saved; the
+// row_weight_partials workspace [ceil(I / kTileCols), R].
 struct DgradShape {
   int64_t rows, tokens, hidden, inner, groups;
   bool gathered, save_weighted_act;
@@ -79,8 +87,8 @@ struct DgradShape {
 
 inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, int64_t row_tokens_count, ffi::Span<const int64_t> w_down,
                               ffi::Span<const int64_t> gate, ffi::Span<const int64_t> up, int64_t row_weights_count,
-                              ffi::Span<const int64_t> weighted_act, int64_t offsets_count, int64_t sizes_count,
-                              DgradShape* shape) {
+                              ffi::Span<const int64_t> weighted_act, ffi::Span<const int64_t> partials,
+                              int64_t offsets_count, int64_t sizes_count, DgradShape* shape) {
   JK_FFI_CHECK(dy.size() == 2 && w_down.size() == 3 && gate.size() == 2 && up.size() == 2,
                "jk_gmm_swiglu_dgrad: dy, gate, up 2-D; w_down 3-D");
   JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy columns must be H (w_down [G, I, H])");
@@ -96,6 +104,8 @@ inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, int64_t row_tokens_co
                "jk_gmm_swiglu_dgrad: weighted_act must be [R, I] or [0, I]");
   JK_FFI_CHECK(offsets_count == w_down[0] + 1 && sizes_count == w_down[0],
                "jk_gmm_swiglu_dgrad: group_offsets [G+1], group_sizes [G]");
+  JK_FFI_CHECK(partials.size() == 2 && partials[0] == ceil_div(w_down[1], kTileCols) && partials[1] == rows,
+               "jk_gmm_swiglu_dgrad: row_weight_partials must be [ceil(I / 256), R]");
   *shape = {rows, dy[0], w_down[2], w_down[1], w_down[0], row_tokens_count != 0, weighted_act[0] != 0};
   return ffi::Error::Success();
 }
@@ -132,7 +142,11 @@ inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, int64_t lhs_row_token
 namespace jk {
 
 // The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
-// platform context first).
+// platform context first). The last results are workspace, not outputs: XLA allocates them with the op, so the CUDA
+// handlers allocate nothing themselves and can be recorded into command buffers (CUDA graphs), which the ops around
+// them already are. tile_counter [1]: the persistent kernels' tile queue (zeroed on the stream before each launch;
+// the CPU twins leave it as it is). The dgrad's row_weight_partials [ceil(I / 256), R]: each row's router-weight
+// gradient per 256-column block, summed in block order afterwards (both platforms).
 
 template <typename Binding>
 auto gmm_signature(Binding binding) {
@@ -144,6 +158,7 @@ auto gmm_signature(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_counter
       .template Attr<bool>("transpose_rhs");
 }
 
@@ -159,6 +174,7 @@ auto gmm_swiglu_signature(Binding binding) {
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_counter
       .template Attr<float>("swiglu_limit");
 }
 
@@ -177,6 +193,8 @@ auto gmm_swiglu_dgrad_signature(Binding binding) {
       .template Ret<ffi::Buffer<ffi::BF16>>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::Buffer<ffi::BF16>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()  // row_weight_partials
+      .template Ret<ffi::Buffer<ffi::S32>>()  // tile_counter
       .template Attr<float>("swiglu_limit");
 }
 
@@ -189,7 +207,8 @@ auto tgmm_signature(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>();
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::S32>>();  // tile_counter
 }
 
 }  // namespace jk
