@@ -213,12 +213,18 @@ def _schedule_xla(ids, num_experts, align):
   return Schedule(tokens_per_expert, expert_offsets, rows.reshape(ids.shape).astype(jnp.int32))
 
 
+_SCHEDULE_CHUNK = 256  # entries per chunk of the CUDA schedule (kernels/routing.h kChunk)
+
+
 def _schedule_ffi(ids, num_experts, align):
+  # The last result is the CUDA kernels' workspace (per-chunk counts), dropped: XLA allocates it with the op, so that
+  # the handler allocates nothing and XLA can record it into a command buffer.
+  chunk_counts = jax.ShapeDtypeStruct((-(-ids.size // _SCHEDULE_CHUNK) * num_experts,), jnp.int32)
   out_types = (jax.ShapeDtypeStruct((num_experts,), jnp.int32),
                jax.ShapeDtypeStruct((num_experts + 1,), jnp.int32),
-               jax.ShapeDtypeStruct(ids.shape, jnp.int32))
+               jax.ShapeDtypeStruct(ids.shape, jnp.int32), chunk_counts)
   return Schedule(*_extension.ffi_call("jk_schedule", out_types, ids, vmap_method="sequential",
-                                       num_experts=np.int32(num_experts), align=np.int32(align)))
+                                       num_experts=np.int32(num_experts), align=np.int32(align))[:3])
 
 
 def schedule(ids: jax.Array, num_experts: int, *, align: int = 1, backend: str = "auto") -> Schedule:

@@ -142,11 +142,12 @@ inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, int64_t lhs_row_token
 namespace jk {
 
 // The operands, results and attributes of each target, shared by its CPU and CUDA bindings (which put their
-// platform context first). The last results are workspace, not outputs: XLA allocates them with the op, so the CUDA
-// handlers allocate nothing themselves and can be recorded into command buffers (CUDA graphs), which the ops around
-// them already are. tile_counter [1]: the persistent kernels' tile queue (zeroed on the stream before each launch;
-// the CPU twins leave it as it is). The dgrad's row_weight_partials [ceil(I / 256), R]: each row's router-weight
-// gradient per 256-column block, summed in block order afterwards (both platforms).
+// platform context first). The last results are workspace, not outputs: XLA allocates them with the op, so that the
+// CUDA handlers allocate nothing (an allocation from XLA's scratch allocator would not outlive the recording) and XLA
+// records them into its command buffers (CUDA graphs) with the ops around them. tile_counter [1]: the persistent
+// kernels' tile queue (zeroed on the stream before each launch; the CPU twins leave it as it is). The dgrad's
+// row_weight_partials [ceil(I / 256), R]: each row's router-weight gradient per 256-column block, summed in block
+// order afterwards (both platforms).
 
 template <typename Binding>
 auto gmm_signature(Binding binding) {

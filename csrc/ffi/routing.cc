@@ -41,9 +41,9 @@ ffi::Error RouteCpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, ffi::Resu
 // version derives per chunk.
 ffi::Error ScheduleCpu(ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::S32> tokens_per_expert,
                        ffi::ResultBuffer<ffi::S32> expert_offsets, ffi::ResultBuffer<ffi::S32> rows,
-                       int32_t num_experts, int32_t align) {
+                       ffi::ResultBuffer<ffi::S32> chunk_counts, int32_t num_experts, int32_t align) {
   JK_FFI_RETURN_IF_ERROR(check_schedule_shapes(ids, tokens_per_expert->element_count(), expert_offsets->element_count(),
-                                               num_experts, align));
+                                               chunk_counts->element_count(), num_experts, align));
   const int32_t* id = ids.typed_data();
   int64_t entries = static_cast<int64_t>(ids.element_count());
   int32_t* counts = tokens_per_expert->typed_data();

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "ffi/ffi_util.h"
+#include "kernels/routing.h"
 
 namespace jk {
 
@@ -38,7 +39,8 @@ inline ffi::Error route_shape(const ffi::AnyBuffer& logits, const ffi::Buffer<ff
 }
 
 inline ffi::Error check_schedule_shapes(const ffi::Buffer<ffi::S32>& ids, size_t tokens_per_expert_size,
-                                        size_t expert_offsets_size, int32_t num_experts, int32_t align) {
+                                        size_t expert_offsets_size, size_t chunk_counts_size, int32_t num_experts,
+                                        int32_t align) {
   JK_FFI_CHECK(num_experts >= 1, "jk_schedule: num_experts must be >= 1");
   JK_FFI_CHECK(align >= 1, "jk_schedule: align must be >= 1");
   JK_FFI_CHECK(static_cast<int64_t>(tokens_per_expert_size) == num_experts,
@@ -46,6 +48,9 @@ inline ffi::Error check_schedule_shapes(const ffi::Buffer<ffi::S32>& ids, size_t
   JK_FFI_CHECK(static_cast<int64_t>(expert_offsets_size) == num_experts + 1,
                "jk_schedule: expert_offsets must have num_experts + 1 elements");
   JK_FFI_CHECK(ids.element_count() < (size_t(1) << 31) / 2, "jk_schedule: too many (token, slot) entries");
+  JK_FFI_CHECK(static_cast<int64_t>(chunk_counts_size) ==
+                   routing::schedule_chunks(static_cast<int64_t>(ids.element_count())) * num_experts,
+               "jk_schedule: chunk_counts must have ceil(entries / 256) * num_experts elements");
   return ffi::Error::Success();
 }
 
@@ -78,6 +83,7 @@ auto schedule_signature(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts: the CUDA kernels' workspace (kernels/routing.h)
       .template Attr<int32_t>("num_experts")
       .template Attr<int32_t>("align");
 }

@@ -28,21 +28,14 @@ ffi::Error RouteCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error ScheduleCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::S32> ids,
-                        ffi::ResultBuffer<ffi::S32> tokens_per_expert, ffi::ResultBuffer<ffi::S32> expert_offsets,
-                        ffi::ResultBuffer<ffi::S32> rows, int32_t num_experts, int32_t align) {
+ffi::Error ScheduleCuda(cudaStream_t stream, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+                        ffi::ResultBuffer<ffi::S32> expert_offsets, ffi::ResultBuffer<ffi::S32> rows,
+                        ffi::ResultBuffer<ffi::S32> chunk_counts, int32_t num_experts, int32_t align) {
   JK_FFI_RETURN_IF_ERROR(check_schedule_shapes(ids, tokens_per_expert->element_count(), expert_offsets->element_count(),
-                                               num_experts, align));
-  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *tokens_per_expert, *expert_offsets, *rows));
+                                               chunk_counts->element_count(), num_experts, align));
+  JK_FFI_RETURN_IF_ERROR(poison_results(stream, *tokens_per_expert, *expert_offsets, *rows, *chunk_counts));
   int64_t entries = static_cast<int64_t>(ids.element_count());
-  size_t scratch_bytes = static_cast<size_t>(routing::schedule_chunks(entries)) * num_experts * sizeof(int32_t);
-  int32_t* chunk_counts = nullptr;
-  if (scratch_bytes > 0) {
-    auto allocation = scratch.Allocate(scratch_bytes);
-    JK_FFI_CHECK(allocation.has_value(), "jk_schedule: scratch allocation failed");
-    chunk_counts = static_cast<int32_t*>(*allocation);
-  }
-  routing::ScheduleGlobals g{ids.typed_data(), entries, num_experts, align, chunk_counts,
+  routing::ScheduleGlobals g{ids.typed_data(), entries, num_experts, align, chunk_counts->typed_data(),
                              tokens_per_expert->typed_data(), expert_offsets->typed_data(), rows->typed_data()};
   JK_CUDA_CHECK(routing::launch_schedule(stream, g));
   return ffi::Error::Success();
@@ -58,8 +51,8 @@ JK_REGISTER_FFI("jk_route", "CUDA", RouteCudaHandler);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScheduleCudaHandler, ScheduleCuda,
                               schedule_signature(ffi::Ffi::Bind()
-                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                     .Ctx<ffi::ScratchAllocator>()));
+                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JK_REGISTER_FFI("jk_schedule", "CUDA", ScheduleCudaHandler);
 
 }  // namespace jk

@@ -31,18 +31,16 @@ cudaError_t launch_route(cudaStream_t stream, const Logit* logits, const float* 
 }
 
 // ---- schedule --------------------------------------------------------------------------------------------------
-// The (token, slot) entries are cut into chunks of kChunk. chunk_counts[e][c] first holds chunk c's count of
-// expert e, then (after the scan) the number of entries of expert e in chunks before c: the chunk's base row. Expert
-// e's counts lie side by side so that the scan reads them in coalesced loads.
-
-constexpr int kChunk = 256;
+// The (token, slot) entries are cut into chunks of kChunk (kernels/routing.h). chunk_counts[e][c] first holds chunk
+// c's count of expert e, then (after the scan) the number of entries of expert e in chunks before c: the chunk's base
+// row. Expert e's counts lie side by side so that the scan reads them in coalesced loads.
 
 struct ScheduleGlobals {
   const int32_t* ids;          // [entries]
   int64_t entries;
   int32_t num_experts;
   int32_t align;
-  int32_t* chunk_counts;       // [num_experts, num_chunks] scratch
+  int32_t* chunk_counts;       // [num_experts, num_chunks] workspace
   int32_t* tokens_per_expert;  // [num_experts]
   int32_t* expert_offsets;     // [num_experts + 1]
   int32_t* rows;               // [entries]
@@ -136,10 +134,8 @@ __global__ void place_kernel(ScheduleGlobals g) {
   g.rows[i] = g.expert_offsets[id] + g.chunk_counts[static_cast<int64_t>(id) * gridDim.x + blockIdx.x] + rank;
 }
 
-inline int schedule_chunks(int64_t entries) { return static_cast<int>((entries + kChunk - 1) / kChunk); }
-
 inline cudaError_t launch_schedule(cudaStream_t stream, const ScheduleGlobals& g) {
-  int num_chunks = schedule_chunks(g.entries);
+  const int num_chunks = static_cast<int>(schedule_chunks(g.entries));
   size_t histogram_bytes = static_cast<size_t>(g.num_experts) * sizeof(int32_t);
   if (histogram_bytes > 48 * 1024) {
     cudaError_t status = cudaFuncSetAttribute(count_chunks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

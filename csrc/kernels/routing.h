@@ -121,4 +121,10 @@ JK_HOST_DEVICE void route_token(const Logit* logits, const float* bias, const Ro
 // Expert-major schedule: offsets[e] = sum over earlier experts of their counts rounded up to `align`.
 JK_HOST_DEVICE int32_t align_up(int32_t count, int32_t align) { return (count + align - 1) / align * align; }
 
+// The CUDA schedule cuts the (token, slot) entries into chunks of kChunk and counts each chunk's entries per expert
+// in its chunk_counts workspace, [num_experts, schedule_chunks(entries)] (kernels/routing.cuh).
+constexpr int kChunk = 256;
+
+JK_HOST_DEVICE int64_t schedule_chunks(int64_t entries) { return (entries + kChunk - 1) / kChunk; }
+
 }  // namespace jk::routing
