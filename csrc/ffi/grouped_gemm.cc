@@ -145,8 +145,8 @@ ffi::Error GmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::BF16> lhs2, ffi::
                   ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> tile_counter, bool transpose_rhs) {
   gg::GmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
-                                       offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm", tile_counter->element_count()));
+                                       offsets.element_count(), sizes.element_count(), tile_counter->element_count(),
+                                       transpose_rhs, &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_gmm: out must be bf16 or f32");
@@ -177,8 +177,8 @@ ffi::Error GmmSwigluCpu(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_toke
   gg::SwigluShape s;
   JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
                                           w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
-                                          offsets.element_count(), sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu", tile_counter->element_count()));
+                                          offsets.element_count(), sizes.element_count(),
+                                          tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   const OperandRows lhs_row(x, row_tokens);
   SwigluClamp clamp{swiglu_limit};
@@ -225,8 +225,8 @@ ffi::Error GmmSwigluDgradCpu(ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> ro
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
                                          gate.dimensions(), up.dimensions(), row_weights.element_count(),
                                          weighted_act->dimensions(), row_weight_partials->dimensions(),
-                                         offsets.element_count(), sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu_dgrad", tile_counter->element_count()));
+                                         offsets.element_count(), sizes.element_count(),
+                                         tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   const OperandRows dy_row(dy, row_tokens);
   SwigluClamp clamp{swiglu_limit};
@@ -281,8 +281,7 @@ ffi::Error TgmmCpu(ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<ffi::S32> lhs_row_tok
   gg::TgmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
                                         rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
-                                        sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_tgmm", tile_counter->element_count()));
+                                        sizes.element_count(), tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_rows(s.rows));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");

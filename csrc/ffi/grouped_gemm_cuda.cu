@@ -186,8 +186,8 @@ ffi::Error GmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer<
                    ffi::ResultBuffer<ffi::S32> tile_counter, bool transpose_rhs) {
   gg::GmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::gmm_shape(lhs.dimensions(), lhs2.dimensions(), rhs.dimensions(), rhs2.dimensions(),
-                                       offsets.element_count(), sizes.element_count(), transpose_rhs, &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm", tile_counter->element_count()));
+                                       offsets.element_count(), sizes.element_count(), tile_counter->element_count(),
+                                       transpose_rhs, &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm", {s.k1, s.k2, s.n}));
   JK_FFI_CHECK(s.k1 > 0 && s.n > 0, "jk_gmm: K1 and N must be positive");
   ffi::DataType type = out->element_type();
@@ -233,8 +233,8 @@ ffi::Error GmmSwigluCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   gg::SwigluShape s;
   JK_FFI_RETURN_IF_ERROR(gg::swiglu_shape(x.dimensions(), row_tokens.element_count(), w_gate.dimensions(),
                                           w_up.dimensions(), act->dimensions(), gate_out->dimensions(),
-                                          offsets.element_count(), sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu", tile_counter->element_count()));
+                                          offsets.element_count(), sizes.element_count(),
+                                          tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu: H and I must be positive");
   JK_FFI_RETURN_IF_ERROR(poison_results(stream, *act, *gate_out, *up_out));
@@ -282,8 +282,8 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ff
   JK_FFI_RETURN_IF_ERROR(gg::dgrad_shape(dy.dimensions(), row_tokens.element_count(), w_down.dimensions(),
                                          gate.dimensions(), up.dimensions(), row_weights.element_count(),
                                          weighted_act->dimensions(), row_weight_partials->dimensions(),
-                                         offsets.element_count(), sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_gmm_swiglu_dgrad", tile_counter->element_count()));
+                                         offsets.element_count(), sizes.element_count(),
+                                         tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_gmm_swiglu_dgrad", {s.hidden, s.inner}));
   JK_FFI_CHECK(s.hidden > 0 && s.inner > 0, "jk_gmm_swiglu_dgrad: H and I must be positive");
   JK_FFI_RETURN_IF_ERROR(
@@ -344,8 +344,7 @@ ffi::Error TgmmCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::Buffer
   gg::TgmmShape s;
   JK_FFI_RETURN_IF_ERROR(gg::tgmm_shape(lhs.dimensions(), lhs_row_tokens.element_count(), rhs.dimensions(),
                                         rhs_row_tokens.element_count(), out->dimensions(), offsets.element_count(),
-                                        sizes.element_count(), &s));
-  JK_FFI_RETURN_IF_ERROR(gg::tile_counter_shape("jk_tgmm", tile_counter->element_count()));
+                                        sizes.element_count(), tile_counter->element_count(), &s));
   JK_FFI_RETURN_IF_ERROR(check_features("jk_tgmm", {s.k, s.n}));
   ffi::DataType type = out->element_type();
   JK_FFI_CHECK(type == ffi::F32 || type == ffi::BF16, "jk_tgmm: out must be bf16 or f32");

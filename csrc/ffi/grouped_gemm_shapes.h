@@ -26,7 +26,7 @@ struct GmmShape {
 
 inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_t> lhs2, ffi::Span<const int64_t> rhs,
                             ffi::Span<const int64_t> rhs2, int64_t offsets_count, int64_t sizes_count,
-                            bool transpose_rhs, GmmShape* shape) {
+                            int64_t tile_counter_count, bool transpose_rhs, GmmShape* shape) {
   JK_FFI_CHECK(lhs.size() == 2 && lhs2.size() == 2 && rhs.size() == 3 && rhs2.size() == 3,
                "jk_gmm: lhs and lhs2 must be 2-D, rhs and rhs2 3-D");
   int64_t groups = rhs[0];
@@ -38,6 +38,7 @@ inline ffi::Error gmm_shape(ffi::Span<const int64_t> lhs, ffi::Span<const int64_
   JK_FFI_CHECK(lhs[1] == k1 && lhs2[1] == k2, "jk_gmm: lhs must have K1 columns and lhs2 K2");
   JK_FFI_CHECK(lhs2[0] == lhs[0], "jk_gmm: lhs2 must have lhs's rows");
   JK_FFI_CHECK(offsets_count == groups + 1 && sizes_count == groups, "jk_gmm: group_offsets [G+1], group_sizes [G]");
+  JK_FFI_RETURN_IF_ERROR(tile_counter_shape("jk_gmm", tile_counter_count));
   *shape = {lhs[0], k1, k2, n, groups};
   return ffi::Error::Success();
 }
@@ -58,7 +59,7 @@ struct SwigluShape {
 inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_count, ffi::Span<const int64_t> w_gate,
                                ffi::Span<const int64_t> w_up, ffi::Span<const int64_t> act,
                                ffi::Span<const int64_t> saved, int64_t offsets_count, int64_t sizes_count,
-                               SwigluShape* shape) {
+                               int64_t tile_counter_count, SwigluShape* shape) {
   JK_FFI_CHECK(x.size() == 2 && w_gate.size() == 3 && w_up.size() == 3 && act.size() == 2 && saved.size() == 2,
                "jk_gmm_swiglu: x, act, gate, up 2-D; weights 3-D");
   JK_FFI_CHECK(w_gate[0] == w_up[0] && w_gate[1] == w_up[1] && w_gate[2] == w_up[2],
@@ -73,6 +74,7 @@ inline ffi::Error swiglu_shape(ffi::Span<const int64_t> x, int64_t row_tokens_co
   JK_FFI_CHECK(act[1] == w_gate[2], "jk_gmm_swiglu: act must be [R, I]");
   JK_FFI_CHECK((saved[0] == rows || saved[0] == 0) && saved[1] == w_gate[2],
                "jk_gmm_swiglu: saved gate/up must be [R, I] or [0, I]");
+  JK_FFI_RETURN_IF_ERROR(tile_counter_shape("jk_gmm_swiglu", tile_counter_count));
   *shape = {rows, x[0], w_gate[1], w_gate[2], w_gate[0], row_tokens_count != 0, saved[0] != 0};
   return ffi::Error::Success();
 }
@@ -88,7 +90,8 @@ struct DgradShape {
 inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, int64_t row_tokens_count, ffi::Span<const int64_t> w_down,
                               ffi::Span<const int64_t> gate, ffi::Span<const int64_t> up, int64_t row_weights_count,
                               ffi::Span<const int64_t> weighted_act, ffi::Span<const int64_t> partials,
-                              int64_t offsets_count, int64_t sizes_count, DgradShape* shape) {
+                              int64_t offsets_count, int64_t sizes_count, int64_t tile_counter_count,
+                              DgradShape* shape) {
   JK_FFI_CHECK(dy.size() == 2 && w_down.size() == 3 && gate.size() == 2 && up.size() == 2,
                "jk_gmm_swiglu_dgrad: dy, gate, up 2-D; w_down 3-D");
   JK_FFI_CHECK(dy[1] == w_down[2], "jk_gmm_swiglu_dgrad: dy columns must be H (w_down [G, I, H])");
@@ -106,6 +109,7 @@ inline ffi::Error dgrad_shape(ffi::Span<const int64_t> dy, int64_t row_tokens_co
                "jk_gmm_swiglu_dgrad: group_offsets [G+1], group_sizes [G]");
   JK_FFI_CHECK(partials.size() == 2 && partials[0] == ceil_div(w_down[1], kTileCols) && partials[1] == rows,
                "jk_gmm_swiglu_dgrad: row_weight_partials must be [ceil(I / 256), R]");
+  JK_FFI_RETURN_IF_ERROR(tile_counter_shape("jk_gmm_swiglu_dgrad", tile_counter_count));
   *shape = {rows, dy[0], w_down[2], w_down[1], w_down[0], row_tokens_count != 0, weighted_act[0] != 0};
   return ffi::Error::Success();
 }
@@ -120,7 +124,7 @@ struct TgmmShape {
 
 inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, int64_t lhs_row_tokens_count, ffi::Span<const int64_t> rhs,
                              int64_t rhs_row_tokens_count, ffi::Span<const int64_t> out, int64_t offsets_count,
-                             int64_t sizes_count, TgmmShape* shape) {
+                             int64_t sizes_count, int64_t tile_counter_count, TgmmShape* shape) {
   JK_FFI_CHECK(lhs.size() == 2 && rhs.size() == 2 && out.size() == 3, "jk_tgmm: lhs, rhs 2-D; out 3-D");
   JK_FFI_CHECK(lhs_row_tokens_count == 0 || rhs_row_tokens_count == 0,
                "jk_tgmm: at most one of lhs_row_tokens and rhs_row_tokens");
@@ -132,6 +136,7 @@ inline ffi::Error tgmm_shape(ffi::Span<const int64_t> lhs, int64_t lhs_row_token
                                        rhs_row_tokens_count, rows));
   JK_FFI_CHECK(out[1] == lhs[1] && out[2] == rhs[1], "jk_tgmm: out must be [G, K, N]");
   JK_FFI_CHECK(offsets_count == out[0] + 1 && sizes_count == out[0], "jk_tgmm: group_offsets [G+1], group_sizes [G]");
+  JK_FFI_RETURN_IF_ERROR(tile_counter_shape("jk_tgmm", tile_counter_count));
   *shape = {rows, lhs[1], rhs[1], out[0], lhs[0], rhs[0], lhs_row_tokens_count != 0, rhs_row_tokens_count != 0};
   return ffi::Error::Success();
 }
