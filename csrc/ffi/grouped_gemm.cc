@@ -102,10 +102,17 @@ class ClusterPairCheck {
 // decomposition missed fails the tests as it would on the GPU.
 template <int kBlockN, typename DataRow, typename PadRow>
 ffi::Error for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_row, PadRow pad_row) {
-  gg::RowTileScheduler<gg::kTileRows, kBlockN> scheduler(layout, n);
+  gg::VisitPlan plan;
+  gg::plan_visits<gg::kTileRows>(layout, &plan);
+  gg::RowTileScheduler<gg::kTileRows, kBlockN> scheduler(layout, n, &plan);
   ClusterPairCheck check_pair(scheduler.n_blocks);
+  // With every row written (the NaN fill), a tile count equal to the pseudo-groups' means each tile ran once.
+  int64_t tiles = 0;
+  for (int32_t g = 0; g < layout.groups + 2; ++g) tiles += gg::group_m_blocks<gg::kTileRows>(layout, g);
+  tiles *= scheduler.n_blocks;
   gg::RowTile tile;
-  for (int32_t t = 0; scheduler.get(layout, t, &tile); ++t) {
+  int32_t t = 0;
+  for (; scheduler.get(layout, t, &tile); ++t) {
     JK_FFI_RETURN_IF_ERROR(check_pair(t, tile.group, tile.row0, tile.n_block));
     int32_t n1 = std::min(tile.n0 + kBlockN, n);
     for (int32_t r = 0; r < tile.written; ++r) {
@@ -116,6 +123,7 @@ ffi::Error for_each_tile_row(const GroupLayout& layout, int32_t n, DataRow data_
       }
     }
   }
+  JK_FFI_CHECK(t == tiles, "tile decomposition: the visits walked a tile count other than the groups'");
   return ffi::Error::Success();
 }
 

@@ -68,10 +68,19 @@ struct GridBlock {
   int32_t n_block;
 };
 
+JK_HOST_DEVICE int32_t band_count(int32_t m_blocks) { return (m_blocks + kMaxBandBlocks - 1) / kMaxBandBlocks; }
+
+// The first m block of band `band` (band_count(m_blocks) is one past the last band): bands b < extra are one block
+// taller than the rest.
+JK_HOST_DEVICE int32_t band_first_block(int32_t band, int32_t m_blocks) {
+  const int32_t bands = band_count(m_blocks);
+  const int32_t short_height = m_blocks / bands, extra = m_blocks % bands;
+  return band * short_height + (band < extra ? band : extra);
+}
+
 JK_HOST_DEVICE GridBlock band_order(int32_t local, int32_t m_blocks, int32_t n_blocks) {
   const int32_t pair = n_blocks % 2 == 0 ? 2 : 1;
-  const int32_t bands = (m_blocks + kMaxBandBlocks - 1) / kMaxBandBlocks;
-  // Bands b < extra are one block taller than the rest: band b starts at m block b * short_height + min(b, extra).
+  const int32_t bands = band_count(m_blocks);
   const int32_t short_height = m_blocks / bands, extra = m_blocks % bands;
   const int32_t tall_tiles = extra * (short_height + 1) * n_blocks;
   int32_t band, height;
@@ -82,10 +91,10 @@ JK_HOST_DEVICE GridBlock band_order(int32_t local, int32_t m_blocks, int32_t n_b
     height = short_height;
     band = extra + (local - tall_tiles) / (height * n_blocks);
   }
-  const int32_t band_first_block = band * short_height + (band < extra ? band : extra);
-  const int32_t in_band = local - band_first_block * n_blocks;
+  const int32_t first_block = band_first_block(band, m_blocks);
+  const int32_t in_band = local - first_block * n_blocks;
   const int32_t pair_index = in_band / pair;  // over (n pair, m block), m fastest
-  return {band_first_block + pair_index % height, pair_index / height * pair + in_band % pair};
+  return {first_block + pair_index % height, pair_index / height * pair + in_band % pair};
 }
 
 // One output tile of a row-grouped GEMM (gmm, gmm_swiglu, gmm_swiglu_dgrad): rows [row0, row0 + written) of
@@ -100,37 +109,205 @@ struct RowTile {
   int32_t n0;
 };
 
-// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile, the pseudo-groups in order, each in band
-// order. The kernels' CTAs claim increasing t from a counter; the CPU twins walk every t, so CI covers the same
-// decomposition. Queries must come with nondecreasing t (a forward-only cursor over the pseudo-groups).
+// The row GEMMs' visit plan: in which order their tiles visit the groups.
+// A light group (one or two m blocks) reads a whole weight block per tile for a few rows, so its tiles are bound by
+// DRAM, while a heavy group's tiles share each weight block across a band and are bound by the tensor cores. Where
+// the groups come sorted by load (a router that favours low expert indices, as the benchmark's skewed routing does),
+// index order runs every light group back to back at the end, in waves that DRAM alone limits: on an H100 at
+// qwen3.5, the groups visited 0, G-1, 1, G-2, ... took 1% off the skewed forward, a third of what skew costs it. The
+// plan spreads the light groups evenly between the heavy groups' bands instead, in proportion to the heavy m blocks
+// done: heavy band s (of all heavy groups' bands in index order), with `blocks_before` heavy m blocks ahead of it,
+// goes to position s + min(L, blocks_before * (L + 1) / heavy_blocks), and the L light groups fill the positions
+// left, in index order. Empty groups have no tiles and no visit. Without light or heavy groups the plan would be
+// index order, and none is made; nor where the visits would not fit: kMaxVisits of them (the kernels keep the plan
+// in the last 1.5 KB of their shared memory), groups below 2^11 and at most 31 bands a group (about 62K rows).
+// A visit is group | band << 11: one band of a heavy group (its own segment of the group's band order), or a whole
+// light group (band 0).
+constexpr int32_t kLightGroupBlocks = 2;
+constexpr int32_t kMaxVisits = 768;
+constexpr int32_t kVisitGroupBits = 11;
+constexpr uint16_t kNoVisit = 0xFFFF;  // band 31 of group 2047: past the limits
+
+struct VisitPlan {
+  int32_t count;  // 0: no plan, index order
+  uint16_t visits[kMaxVisits];
+};
+
+struct VisitTotals {
+  int32_t heavy_blocks = 0;  // m blocks of the heavy groups (< 2^24: R < 2^31)
+  int32_t heavy_bands = 0;
+  int32_t light_groups = 0;
+  int32_t widest = 0;  // the most bands of one group
+
+  JK_HOST_DEVICE int32_t visits() const { return heavy_bands + light_groups; }
+  JK_HOST_DEVICE bool planned(int32_t groups) const {
+    return light_groups > 0 && heavy_bands > 0 && visits() <= kMaxVisits && groups < (1 << kVisitGroupBits) &&
+           widest <= (1 << (16 - kVisitGroupBits)) - 1;
+  }
+};
+
+template <int kBlockM>
+JK_HOST_DEVICE int32_t group_m_blocks(const GroupLayout& l, int32_t g) {
+  const RowExtent e = row_extent(l, g);
+  return (e.end - e.begin + kBlockM - 1) / kBlockM;
+}
+
+JK_HOST_DEVICE int32_t heavy_visit_position(int32_t heavy_band, int32_t blocks_before, const VisitTotals& totals) {
+  const int64_t lights_before =
+      static_cast<int64_t>(blocks_before) * (totals.light_groups + 1) / totals.heavy_blocks;
+  return heavy_band + static_cast<int32_t>(lights_before < totals.light_groups ? lights_before : totals.light_groups);
+}
+
+JK_HOST_DEVICE uint16_t pack_visit(int32_t group, int32_t band) {
+  return static_cast<uint16_t>(group | band << kVisitGroupBits);
+}
+
+// The host's plan.
+template <int kBlockM>
+inline void plan_visits(const GroupLayout& l, VisitPlan* plan) {
+  VisitTotals totals;
+  for (int32_t g = 0; g < l.groups; ++g) {
+    const int32_t m_blocks = group_m_blocks<kBlockM>(l, g);
+    if (m_blocks > kLightGroupBlocks) {
+      totals.heavy_blocks += m_blocks;
+      totals.heavy_bands += band_count(m_blocks);
+      totals.widest = band_count(m_blocks) > totals.widest ? band_count(m_blocks) : totals.widest;
+    } else if (m_blocks > 0) {
+      ++totals.light_groups;
+    }
+  }
+  plan->count = totals.planned(l.groups) ? totals.visits() : 0;
+  if (plan->count == 0) return;
+  uint16_t* visits = plan->visits;
+  for (int32_t v = 0; v < plan->count; ++v) visits[v] = kNoVisit;
+  int32_t heavy_band = 0, blocks_before = 0;
+  for (int32_t g = 0; g < l.groups; ++g) {
+    const int32_t m_blocks = group_m_blocks<kBlockM>(l, g);
+    if (m_blocks <= kLightGroupBlocks) continue;
+    for (int32_t b = 0; b < band_count(m_blocks); ++b, ++heavy_band)
+      visits[heavy_visit_position(heavy_band, blocks_before + band_first_block(b, m_blocks), totals)] =
+          pack_visit(g, b);
+    blocks_before += m_blocks;
+  }
+  int32_t v = 0;
+  for (int32_t g = 0; g < l.groups; ++g) {
+    const int32_t m_blocks = group_m_blocks<kBlockM>(l, g);
+    if (m_blocks == 0 || m_blocks > kLightGroupBlocks) continue;
+    while (visits[v] != kNoVisit) ++v;
+    visits[v] = pack_visit(g, 0);
+  }
+}
+
+#if defined(__CUDACC__)
+// The device's plan, by one warp (lanes over the groups): the host's, with the light groups listed first (into
+// `lights` [kMaxVisits]) and the positions they fill found by ballots.
+template <int kBlockM>
+__device__ void plan_visits_warp(const GroupLayout& l, VisitPlan& plan, uint16_t* lights, int lane) {
+  const uint32_t lanes_below = (1u << lane) - 1;
+  VisitTotals totals;
+  for (int32_t base = 0; base < l.groups; base += 32) {
+    const int32_t g = base + lane;
+    const int32_t m_blocks = g < l.groups ? group_m_blocks<kBlockM>(l, g) : 0;
+    const bool heavy = m_blocks > kLightGroupBlocks, light = m_blocks > 0 && !heavy;
+    const uint32_t light_lanes = __ballot_sync(~0u, light);
+    const int32_t light_index = totals.light_groups + __popc(light_lanes & lanes_below);
+    if (light && light_index < kMaxVisits) lights[light_index] = static_cast<uint16_t>(g);
+    totals.light_groups += __popc(light_lanes);
+    totals.heavy_blocks += static_cast<int32_t>(__reduce_add_sync(~0u, heavy ? m_blocks : 0));
+    const uint32_t bands = heavy ? band_count(m_blocks) : 0;
+    totals.heavy_bands += static_cast<int32_t>(__reduce_add_sync(~0u, bands));
+    const int32_t widest = static_cast<int32_t>(__reduce_max_sync(~0u, bands));
+    totals.widest = widest > totals.widest ? widest : totals.widest;
+  }
+  const int32_t count = totals.planned(l.groups) ? totals.visits() : 0;
+  if (lane == 0) plan.count = count;
+  if (count == 0) return;
+  for (int32_t v = lane; v < count; v += 32) plan.visits[v] = kNoVisit;
+  __syncwarp();
+  int32_t heavy_band = 0, blocks_before = 0;  // of the chunks before
+  for (int32_t base = 0; base < l.groups; base += 32) {
+    const int32_t g = base + lane;
+    const int32_t m_blocks = g < l.groups ? group_m_blocks<kBlockM>(l, g) : 0;
+    const int32_t blocks = m_blocks > kLightGroupBlocks ? m_blocks : 0, bands = band_count(blocks);
+    int32_t bands_through = bands, blocks_through = blocks;  // inclusive scans over the lanes
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t lower_bands = __shfl_up_sync(~0u, bands_through, d);
+      const int32_t lower_blocks = __shfl_up_sync(~0u, blocks_through, d);
+      if (lane >= d) bands_through += lower_bands, blocks_through += lower_blocks;
+    }
+    for (int32_t b = 0; b < bands; ++b) {
+      const int32_t blocks_ahead = blocks_before + blocks_through - blocks + band_first_block(b, blocks);
+      plan.visits[heavy_visit_position(heavy_band + bands_through - bands + b, blocks_ahead, totals)] =
+          pack_visit(g, b);
+    }
+    heavy_band += __shfl_sync(~0u, bands_through, 31);
+    blocks_before += __shfl_sync(~0u, blocks_through, 31);
+  }
+  __syncwarp();
+  int32_t light = 0;
+  for (int32_t base = 0; base < count; base += 32) {
+    const int32_t v = base + lane;
+    const bool open = v < count && plan.visits[v] == kNoVisit;
+    const uint32_t open_lanes = __ballot_sync(~0u, open);
+    if (open) plan.visits[v] = pack_visit(lights[light + __popc(open_lanes & lanes_below)], 0);
+    light += __popc(open_lanes);
+  }
+  __syncwarp();
+}
+#endif
+
+// The tile scheduler of the row-grouped GEMMs: linear tile t -> RowTile. Tiles run visit by visit (the plan's, or
+// every group in index order), each in band order, then the tail and head pseudo-groups. The kernels' CTAs claim
+// increasing t from a counter; the CPU twins walk every t, so CI covers the same decomposition. Queries must come
+// with nondecreasing t (a forward-only cursor over the visits).
 template <int kBlockM, int kBlockN>
 struct RowTileScheduler {
+  const VisitPlan* plan;
   int32_t n_blocks;
-  int32_t group = 0;             // pseudo-group holding the next tile
-  int32_t group_first_tile = 0;  // its first linear tile
-  int32_t group_tiles = 0;
-  int32_t m_blocks = 0;          // of the pseudo-group
+  int32_t position = 0;      // of the visit holding the next tile
+  int32_t group = 0;
+  int32_t visit_end = 0;     // one past the visit's last linear tile
+  int32_t local_offset = 0;  // linear tile - tile of the group's band order
+  int32_t m_blocks = 0;      // of the group
   RowExtent extent{0, 0, 0};
 
-  JK_HOST_DEVICE RowTileScheduler(const GroupLayout& l, int32_t n) : n_blocks((n + kBlockN - 1) / kBlockN) {
-    enter_group(l);
+  JK_HOST_DEVICE RowTileScheduler(const GroupLayout& l, int32_t n, const VisitPlan* visit_plan)
+      : plan(visit_plan), n_blocks((n + kBlockN - 1) / kBlockN) {
+    enter_visit(l);
   }
 
-  JK_HOST_DEVICE void enter_group(const GroupLayout& l) {
+  // The visits: the plan's (or the groups in index order), then the tail and the head.
+  JK_HOST_DEVICE int32_t visit_count(const GroupLayout& l) const { return plan->count > 0 ? plan->count : l.groups; }
+
+  JK_HOST_DEVICE void enter_visit(const GroupLayout& l) {
+    const int32_t count = visit_count(l);
+    int32_t band = -1;  // the whole group
+    if (position >= count) {
+      group = l.groups + position - count;
+    } else if (plan->count == 0) {
+      group = position;
+    } else {
+      const uint16_t visit = plan->visits[position];
+      group = visit & ((1 << kVisitGroupBits) - 1);
+      band = visit >> kVisitGroupBits;
+    }
     extent = row_extent(l, group);
     m_blocks = (extent.end - extent.begin + kBlockM - 1) / kBlockM;
-    group_tiles = m_blocks * n_blocks;
+    const bool whole = band < 0 || m_blocks <= kLightGroupBlocks;
+    const int32_t first_block = whole ? 0 : band_first_block(band, m_blocks);
+    const int32_t last_block = whole ? m_blocks : band_first_block(band + 1, m_blocks);
+    local_offset = visit_end - first_block * n_blocks;
+    visit_end += (last_block - first_block) * n_blocks;
   }
 
   // False when t is past the last tile.
   JK_HOST_DEVICE bool get(const GroupLayout& l, int32_t t, RowTile* tile) {
-    while (t >= group_first_tile + group_tiles) {
-      if (group == l.groups + 1) return false;
-      group_first_tile += group_tiles;
-      ++group;
-      enter_group(l);
+    while (t >= visit_end) {
+      if (position == visit_count(l) + 1) return false;
+      ++position;
+      enter_visit(l);
     }
-    const GridBlock block = band_order(t - group_first_tile, m_blocks, n_blocks);
+    const GridBlock block = band_order(t - local_offset, m_blocks, n_blocks);
     tile->n_block = block.n_block;
     tile->group = group;
     tile->row0 = extent.begin + block.m_block * kBlockM;

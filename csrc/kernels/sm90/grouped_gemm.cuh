@@ -68,8 +68,9 @@ constexpr int kTileSlots = 4;  // the tile queue's and the tile ring's slots: ti
 constexpr int kQueueBytes = 2 * kTileSlots * 8 + kTileSlots * 4;
 constexpr int kTileBytes = 32;  // a decoded Tile
 constexpr int kRingBytes = kTileSlots * kTileBytes + 2 * kTileSlots * 8;
+constexpr int kPlanBytes = 16 + 2 * kMaxVisits;  // a VisitPlan (kernels/grouped_gemm.h)
 constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /* alignment slack */ + 3 * kStages * 8 +
-                           kQueueBytes + kRingBytes;
+                           kQueueBytes + kRingBytes + kPlanBytes;
 static_assert(kSmemBytes <= 232448, "over the 227 KB of shared memory a Hopper CTA may opt in to");
 constexpr uint64_t kCacheHintNormal = 0x1000000000000000ull;  // L2 evict-normal policy for TMA loads
 
@@ -131,11 +132,14 @@ struct Tile {
   int32_t k_steps;  // of the main loop; 0: written as zeros without loading anything; -1: past the last tile
 };
 
+static_assert(sizeof(VisitPlan) <= kPlanBytes);
+static_assert(2 * kMaxVisits <= kStagingBytes, "the planning warp's scratch lies in the staging buffers");
+
 template <Mode kMode, int kBlockN>
 struct Scheduler {
   RowTileScheduler<kBlockM, kBlockN> rows;
 
-  __device__ explicit Scheduler(const Params& p) : rows(p.layout, p.n) {}
+  __device__ Scheduler(const Params& p, const VisitPlan& plan) : rows(p.layout, p.n, &plan) {}
 
   // Maps linear tile t (nondecreasing across calls) to a tile, with k_steps -1 when t is past the last tile.
   __device__ Tile get(const Params& p, int32_t t) {
@@ -968,7 +972,7 @@ struct StageRelease {
 template <Mode kMode, bool kBMnMajor, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p, uint8_t* smem, uint64_t* full,
                                          uint64_t* empty, uint64_t* landed, TileQueue<kCluster>& queue, TileRing& ring,
-                                         int thread) {
+                                         const VisitPlan& plan, int thread) {
   constexpr int kBlockN = OperandLayout<kMode>::kBlockN;
   constexpr bool kGathers = kGathered != Gathered::kNone;
   using G = Gather<kMode, kGathered, kCluster>;
@@ -986,7 +990,7 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   const uint32_t peer_full0 = forwarder ? in_cta(cute::cast_smem_ptr_to_uint(full), rank ^ 1) : 0;
   const int32_t clusters = gridDim.x / kCluster;
   int32_t pair = blockIdx.x / kCluster;
-  Scheduler<kMode, kBlockN> scheduler(p);
+  Scheduler<kMode, kBlockN> scheduler(p, plan);
   uint32_t it = 0;
   for (;;) {
     if (fetcher) queue.publish(pair);
@@ -1151,7 +1155,19 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   uint64_t* landed = empty + kStages;  // only a forwarded lhs waits here: this CTA's half has landed
   TileQueue<kCluster> queue{cute::cast_smem_ptr_to_uint(landed + kStages)};
   TileRing ring{queue.base + kQueueBytes};
+  uint8_t* after_ring = reinterpret_cast<uint8_t*>(landed + kStages) + kQueueBytes + kRingBytes;
+  VisitPlan& plan = *reinterpret_cast<VisitPlan*>(after_ring);
 
+  // The row GEMMs' visit plan, made beside the barriers' init by one warp: the producers need it for their first
+  // tile. The consumers' staging buffers are free until their first epilogue: the warp's list of light groups.
+  // (tgmm's scheduler holds an unused row scheduler: no plan.)
+  if (threadIdx.x / 32 == 1) {
+    if (kMode != Mode::kTgmm) {
+      plan_visits_warp<kBlockM>(p.layout, plan, reinterpret_cast<uint16_t*>(staging), threadIdx.x % 32);
+    } else if (threadIdx.x == 32) {
+      plan.count = 0;
+    }
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterBarrier::init(&full[s], kGathered != Gathered::kNone ? G::kFullArrivals : 1);
@@ -1174,7 +1190,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const __grid_
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (kGathered != Gathered::kNone || threadIdx.x == 0)
-      produce<kMode, kBMnMajor, kCluster, kGathered>(maps, p, smem, full, empty, landed, queue, ring, threadIdx.x);
+      produce<kMode, kBMnMajor, kCluster, kGathered>(maps, p, smem, full, empty, landed, queue, ring, plan,
+                                                     threadIdx.x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     consume<kMode, kBMnMajor, OutT, kCluster, kGathered>(maps, p, smem, staging, full, empty, ring);
