@@ -11,10 +11,11 @@
 //    the other one alone. setmaxnreg moves registers from the producer to the consumers.
 //  - The tile scheduler runs on the device: linear tile indices map to (group, m block, n block) through
 //    group_offsets, so nothing is synced to the host; the decomposition is kernels/grouped_gemm.h's, which the CPU
-//    twins walk too. CTAs (clusters) claim tiles in order from a global counter as they free up (see "Tile queue");
-//    the producer decodes each claimed tile and hands it to the CTA's consumers through a small shared-memory ring
-//    (see "Tile ring"), so that the consumers go from one tile's epilogue to the next tile's k loop without the
-//    scheduler's arithmetic.
+//    twins walk too, in the row GEMMs after a visit plan (light groups between the heavy groups' bands) that one
+//    warp of each CTA makes at the start. CTAs (clusters) claim tiles in order from a global counter as they free
+//    up (see "Tile queue"); the producer decodes each claimed tile and hands it to the CTA's consumers through a
+//    small shared-memory ring (see "Tile ring"), so that the consumers go from one tile's epilogue to the next tile's
+//    k loop without the scheduler's arithmetic.
 //  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
 //    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
 //    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
