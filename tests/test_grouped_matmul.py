@@ -654,8 +654,9 @@ def test_gpu_swiglu_and_dgrad(limit, inner):
 @pytest.mark.gpu
 @pytest.mark.parametrize("save,inner", [(False, 1216), (True, 1216), (False, 1088)])
 def test_gpu_swiglu_gathered_equals_rows(save, inner):
-  """The cp.async gather of the lhs gives the same bits as the TMA loads of rows gathered beforehand: in clusters of
-  two, each CTA gathering half the lines (inner 1216: 10 n blocks), and alone (1088: 9)."""
+  """The cp.async gather of the lhs gives the same bits as the TMA loads of rows gathered beforehand: in weight pairs,
+  each CTA gathering its tile's lines and the pair sharing its weights (inner 1216: 10 n blocks), and alone (1088:
+  9)."""
   rng = np.random.default_rng(22)
   groups, hidden, num_tokens = 16, 2048, 3000
   sizes, rows, offsets, group_sizes = gpu_groups(rng, empty=3, tail_rows=100)
@@ -711,7 +712,7 @@ def test_gpu_tgmm(k, n, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inner", [1024, 1216])  # 4 n blocks: clusters of two, each CTA gathering half; 5: alone
+@pytest.mark.parametrize("inner", [1024, 1216])  # 4 n blocks: weight pairs; 5: alone
 def test_gpu_dgrad_gathered_equals_rows(inner):
   """The dgrad's cp.async gather of dy gives the same bits as TMA loads of dy rows gathered beforehand."""
   rng = np.random.default_rng(25)

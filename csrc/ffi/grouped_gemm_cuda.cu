@@ -133,6 +133,10 @@ ffi::Error launch_with_cluster(cudaStream_t stream, const sm90::TensorMaps& maps
   return ffi::Error::Success();
 }
 
+// Clusters of two CTAs when the n-block count is even (the scheduler then pairs the two n blocks of each (group,
+// m block)): row pairs, or weight pairs where a row GEMM gathers its lhs (kernels/sm90/grouped_gemm.cuh).
+int cluster_size(int64_t n_blocks) { return n_blocks % 2 == 0 ? 2 : 1; }
+
 // The tile queue's counter is the op's tile_counter workspace result, zeroed on the stream.
 template <sm90::Mode kMode, bool kBMnMajor, typename OutT, sm90::Gathered kGathered = sm90::Gathered::kNone>
 ffi::Error launch(cudaStream_t stream, int32_t* tile_counter, const sm90::TensorMaps& maps, sm90::Params params,
@@ -140,7 +144,7 @@ ffi::Error launch(cudaStream_t stream, int32_t* tile_counter, const sm90::Tensor
   if (max_tiles <= 0) return ffi::Error::Success();
   params.tile_counter = tile_counter;
   JK_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int32_t), stream));
-  if (n_blocks % 2 != 0) {
+  if (cluster_size(n_blocks) == 1) {
     return launch_with_cluster<kMode, kBMnMajor, OutT, 1, kGathered>(stream, maps, params, max_tiles);
   }
   return launch_with_cluster<kMode, kBMnMajor, OutT, 2, kGathered>(stream, maps, params, max_tiles);
@@ -291,8 +295,10 @@ ffi::Error GmmSwigluDgradCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ff
   if (s.rows == 0) return ffi::Error::Success();
   int64_t n_blocks = gg::ceil_div(s.inner, gg::kTileCols);
   sm90::TensorMaps maps{};
-  // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T.
-  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, 256));
+  // w_down [G, I, H] is the K-major [N = I, K = H] operand of g = dy @ w_down^T, in boxes of 256 rows, or of 128
+  // where weight pairs (a gathered dy in clusters) load it in halves.
+  const uint32_t box_rows = s.gathered && cluster_size(n_blocks) == 2 ? gg::kTileCols / 2 : gg::kTileCols;
+  JK_FFI_RETURN_IF_ERROR(weights_map(&maps.b, w_down.untyped_data(), s.groups, s.inner, s.hidden, box_rows));
   sm90::Params p;
   JK_FFI_RETURN_IF_ERROR(base_params(offsets.typed_data(), sizes.typed_data(), s.groups, s.rows, s.inner, &p));
   if (s.gathered) {

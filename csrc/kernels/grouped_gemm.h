@@ -58,9 +58,11 @@ JK_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; 
 //   the group's dy from DRAM (16-19% more time under skewed routing than uniform on an H100; band order cut that
 //   to 4-5%). This only holds while the tiles in flight are a contiguous run of the order, which the kernels' tile
 //   queue keeps (kernels/sm90/grouped_gemm.cuh).
-// - Why n pairs: a 2-CTA cluster claims tiles 2j and 2j + 1 together, which must share their lhs (rows, or tgmm's
-//   output rows), for the lhs multicast. With an even n-block count every band has an even tile count, so 2j is
-//   always a pair's first tile. With an odd count there are no clusters, and pairs are single tiles.
+// - Why n pairs: a 2-CTA cluster (a row pair) claims tiles 2j and 2j + 1 together, which must share their lhs (rows,
+//   or tgmm's output rows), for the lhs multicast. With an even n-block count every band has an even tile count, so
+//   2j is always a pair's first tile. With an odd count there are no clusters, and pairs are single tiles. The row
+//   GEMMs that gather their lhs run weight pairs instead, tiles two apart: m fastest, one n block of two adjacent m
+//   blocks, which share their weight block except where a band's n pair, a visit or a group ends between them.
 constexpr int32_t kMaxBandBlocks = 16;
 
 struct GridBlock {

@@ -16,15 +16,17 @@
 //    up (see "Tile queue"); the producer decodes each claimed tile and hands it to the CTA's consumers through a
 //    small shared-memory ring (see "Tile ring"), so that the consumers go from one tile's epilogue to the next tile's
 //    k loop without the scheduler's arithmetic.
-//  - Clusters of two CTAs along N (kCluster = 2, when the n-block count is even): the CTAs of a cluster take the two
-//    n blocks of one (group, m block), so their lhs tiles are equal. Each producer loads one 64-row half of the lhs
-//    stage and multicasts it into both CTAs, which cuts the L2-to-SM traffic per k step from 48 KB to 40 KB; a stage
-//    is free again when the consumers of both CTAs have released it (16 warp arrivals on each CTA's empty barrier).
-//    This is TMA multicast inside one GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
+//  - Clusters of two CTAs (kCluster = 2) when the n-block count is even. A row pair takes the two n blocks of one
+//    (group, m block), so their lhs tiles are equal: each producer loads one 64-row half of the lhs stage and
+//    multicasts it into both CTAs (40 KB of L2-to-SM traffic per k step instead of 48). The row GEMMs whose lhs is
+//    gathered run in weight pairs instead: as a rule two adjacent m blocks of one n block, whose weights each producer
+//    loads one column half of for both (32 KB a k step; see "Weight pairs"). A stage is free again when the consumers
+//    of both CTAs have released it (16 warp arrivals on each CTA's empty barrier). This is TMA multicast inside one
+//    GPU (shared memory of a thread-block cluster's SMs), not NVLink multicast.
 //  - An operand may come straight from the tokens through a row -> token map (kGathered): the lhs of gmm_swiglu and
-//    of the dgrad, either operand of tgmm. Producer warps then copy its lines with cp.async; a gathered lhs in a
-//    cluster is copied half by each CTA and forwarded to the peer by a bulk copy between the CTAs' shared memory (see
-//    "Gathered operands").
+//    of the dgrad, either operand of tgmm. Producer warps then copy its lines with cp.async; tgmm's gathered lhs in a
+//    row pair is copied half by each CTA and forwarded to the peer by a bulk copy between the CTAs' shared memory
+//    (see "Gathered operands").
 //  - Every mbarrier wait but the tile queue's and the tile ring's pops has a 20 s deadline (then __trap), so a broken
 //    pipeline fails the launch instead of hanging (the pops wait on a thread whose own waits have one).
 //  - Shared-memory tiles are 128-byte-swizzled 64-element lines written by TMA (box inner dim 64 bf16 = 128 B) and
@@ -211,13 +213,13 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity)
 // order or not). Claiming tiles from a counter keeps the tiles in flight a contiguous run of the order, and
 // balances ragged tile lengths at the end.
 //
-// The unit of a claim is a cluster's pair of tiles (kCluster * pair + rank). Each cluster's first pair is its own
-// index; later ones are gridDim.x / kCluster + atomicAdd(tile_counter, 1). Producer thread 0 of the cluster's rank 0
-// (the fetcher) claims a pair when it starts loading the tile and writes it into slot i % kTileSlots of every CTA of
-// the cluster, with the slot's full barrier there. The readers (the producer threads of each CTA) wait for it, read
-// it and arrive on rank 0's empty barrier of the slot, which the fetcher waits for before it writes the slot again
-// (a CTA-scope arrival, like a consumer's release of a stage that the peer then refills). The pair past the last tile
-// is published too: it stops every reader.
+// The unit of a claim is a cluster's pair of tiles (kCluster * pair + rank; a weight pair's differ, see "Weight
+// pairs"). Each cluster's first pair is its own index; later ones are gridDim.x / kCluster + atomicAdd(tile_counter,
+// 1). Producer thread 0 of the cluster's rank 0 (the fetcher) claims a pair when it starts loading the tile and writes
+// it into slot i % kTileSlots of every CTA of the cluster, with the slot's full barrier there. The readers (the
+// producer threads of each CTA) wait for it, read it and arrive on rank 0's empty barrier of the slot, which the
+// fetcher waits for before it writes the slot again (a CTA-scope arrival, like a consumer's release of a stage that the
+// peer then refills). The pair past the last tile is published too: it stops every reader.
 
 // The shared::cluster address of a shared-memory address of this CTA, in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t in_cta(uint32_t local, uint32_t rank) {
@@ -423,55 +425,90 @@ __device__ __forceinline__ void fence_accumulators(float* acc) {
 // ---------------------------------------------------------------------------------------------------------------
 // Producer: TMA loads of one k step into a stage.
 
-// One 64-line half of the lhs stage. In a cluster the half goes to the same shared-memory offset of both CTAs and
-// completes bytes on both CTAs' full barriers of the stage.
-template <int kCluster>
-__device__ __forceinline__ void load_lhs_half(const CUtensorMap* map, uint64_t* full, uint8_t* smem, int32_t x,
-                                              int32_t y) {
-  if constexpr (kCluster > 1) {
-    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map, full, (1 << kCluster) - 1, kCacheHintNormal, smem, x, y);
+// What the two CTAs of a cluster share. A row pair takes the two n blocks of one (group, m block): their lhs tiles
+// are equal. The row GEMMs with a gathered lhs (gmm_swiglu's and the dgrad's) run in weight pairs, two tiles two
+// apart in the order, as a rule two adjacent m blocks of one n block (see "Weight pairs" in produce): where both are
+// of one group, their weights.
+template <Mode kMode, int kCluster, Gathered kGathered>
+struct ClusterLayout {
+  static constexpr bool kWeightPair = kCluster == 2 && kMode != Mode::kTgmm && kGathered == Gathered::kLhs;
+  static constexpr bool kRowPair = kCluster == 2 && !kWeightPair;
+  static constexpr uint16_t kBoth = 3;  // the multicast mask of both CTAs
+};
+
+// One TMA load into this CTA's shared memory, or multicast into the CTAs of `peers` (0: this CTA alone), completing
+// bytes on each one's barrier at `full`'s offset.
+template <class... Coords>
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* full, uint16_t peers, void* smem,
+                                         Coords... coords) {
+  if (peers != 0) {
+    cute::SM90_TMA_LOAD_MULTICAST::copy(map, full, peers, kCacheHintNormal, smem, static_cast<int32_t>(coords)...);
   } else {
-    cute::SM90_TMA_LOAD_2D::copy(map, full, kCacheHintNormal, smem, x, y);
+    cute::SM90_TMA_LOAD::copy(map, full, kCacheHintNormal, smem, static_cast<int32_t>(coords)...);
   }
 }
 
-// The lhs of k step ks by TMA: in a cluster this CTA loads lhs half `rank` and its peer the other.
+// The lhs of k step ks by TMA: in a row pair this CTA loads lhs half `rank` into both CTAs, and its peer the other.
 template <Mode kMode, int kCluster>
 __device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
                                          uint32_t rank, uint8_t* a_smem, uint64_t* full) {
+  using Layout = ClusterLayout<kMode, kCluster, Gathered::kNone>;
+  const uint16_t peers = Layout::kRowPair ? Layout::kBoth : 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (kCluster > 1 && half != static_cast<int>(rank)) continue;
+    if (Layout::kRowPair && half != static_cast<int>(rank)) continue;
     uint8_t* half_smem = a_smem + half * kSubTileBytes;
     if constexpr (kMode == Mode::kTgmm) {  // MN-major: a half is 64 output rows (m) of the 64 contraction rows
-      load_lhs_half<kCluster>(&maps.a, full, half_smem, tile.m0 + 64 * half, tile.row0 + ks * kBlockK);
+      tma_load(&maps.a, full, peers, half_smem, tile.m0 + 64 * half, tile.row0 + ks * kBlockK);
     } else {  // 64 tile rows; k steps from k_steps1 on read lhs2
       const bool second = ks >= p.k_steps1;
-      load_lhs_half<kCluster>(second ? &maps.a2 : &maps.a, full, half_smem, (second ? ks - p.k_steps1 : ks) * kBlockK,
-                              tile.row0 + 64 * half);
+      tma_load(second ? &maps.a2 : &maps.a, full, peers, half_smem, (second ? ks - p.k_steps1 : ks) * kBlockK,
+               tile.row0 + 64 * half);
     }
   }
 }
 
+// Column half `half` (128 of the 256) of the rhs of k step ks, into the CTAs of `peers`. Half 1 lies 16 KB after
+// half 0: SwiGLU's halves are the gate's and the up's operands (one box each), the dgrad's are 128 K-major lines each
+// (its map's box is half as tall in weight pairs).
+template <Mode kMode>
+__device__ __forceinline__ void load_rhs_half(const TensorMaps& maps, const Tile& tile, int32_t ks, int half,
+                                              uint16_t peers, uint8_t* b_smem, uint64_t* full) {
+  static_assert(kMode == Mode::kSwiglu || kMode == Mode::kSwigluDgrad, "weights loaded in halves");
+  uint8_t* half_smem = b_smem + half * (kBBytes / 2);
+  if constexpr (kMode == Mode::kSwiglu) {
+    tma_load(half == 0 ? &maps.b : &maps.b2, full, peers, half_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
+  } else {
+    tma_load(&maps.b, full, peers, half_smem, ks * kBlockK, tile.n0 + 128 * half, tile.group);
+  }
+}
+
 // The rhs of k step ks by TMA. MN-major operands come as one box of 64-column chunks (the maps' chunk dim), so
-// that a k step issues one load per operand, not one per chunk.
-template <Mode kMode, bool kBMnMajor>
+// that a k step issues one load per operand, not one per chunk. In a weight pair: this CTA's half (`rank`) into
+// both CTAs when the pair shares its weights, else both halves here.
+template <Mode kMode, bool kBMnMajor, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
-                                         uint8_t* b_smem, uint64_t* full) {
-  if constexpr (kMode == Mode::kTgmm) {
-    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, tile.row0 + ks * kBlockK, tile.n0 / 64,
-                                 0);
+                                         uint32_t rank, bool share_weights, uint8_t* b_smem, uint64_t* full) {
+  using Layout = ClusterLayout<kMode, kCluster, kGathered>;
+  if constexpr (Layout::kWeightPair) {
+    if (share_weights) {
+      load_rhs_half<kMode>(maps, tile, ks, static_cast<int>(rank), Layout::kBoth, b_smem, full);
+    } else {
+      load_rhs_half<kMode>(maps, tile, ks, 0, 0, b_smem, full);
+      load_rhs_half<kMode>(maps, tile, ks, 1, 0, b_smem, full);
+    }
+  } else if constexpr (kMode == Mode::kTgmm) {
+    tma_load(&maps.b, full, 0, b_smem, 0, tile.row0 + ks * kBlockK, tile.n0 / 64, 0);
   } else if constexpr (kMode == Mode::kSwiglu) {  // one 256-column operand: the gate's 128 columns, then the up's
-    cute::SM90_TMA_LOAD_4D::copy(&maps.b, full, kCacheHintNormal, b_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
-    uint8_t* up_smem = b_smem + (kSwigluTileCols / 64) * kSubTileBytes;
-    cute::SM90_TMA_LOAD_4D::copy(&maps.b2, full, kCacheHintNormal, up_smem, 0, ks * kBlockK, tile.n0 / 64, tile.group);
+    load_rhs_half<kMode>(maps, tile, ks, 0, 0, b_smem, full);
+    load_rhs_half<kMode>(maps, tile, ks, 1, 0, b_smem, full);
   } else {
     const CUtensorMap* map = ks < p.k_steps1 ? &maps.b : &maps.b2;
-    int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
+    const int32_t k = (ks < p.k_steps1 ? ks : ks - p.k_steps1) * kBlockK;
     if constexpr (kBMnMajor) {
-      cute::SM90_TMA_LOAD_4D::copy(map, full, kCacheHintNormal, b_smem, 0, k, tile.n0 / 64, tile.group);
+      tma_load(map, full, 0, b_smem, 0, k, tile.n0 / 64, tile.group);
     } else {
-      cute::SM90_TMA_LOAD_3D::copy(map, full, kCacheHintNormal, b_smem, k, tile.n0, tile.group);
+      tma_load(map, full, 0, b_smem, k, tile.n0, tile.group);
     }
   }
 }
@@ -483,10 +520,10 @@ __device__ __forceinline__ void load_rhs(const TensorMaps& maps, const Params& p
 // MN-major operands one contraction row's 64 columns of a sub-tile. Each gathering thread copies chunk t % 8 of its
 // lines, so one warp instruction moves four whole lines; the other operand still comes by TMA from thread 0, whose
 // arrival on the stage's full barrier carries the transaction bytes.
-//  - Alone (kCluster = 1), or a gathered rhs (tgmm's own 256 columns, never shared), the whole producer warpgroup
-//    copies the lines, and each thread's copies arrive on the stage's full barrier when they land (noinc: the
-//    barrier's count includes the 128 threads).
-//  - A gathered lhs in a cluster of two (the CTAs share it, as with a TMA lhs): warps 0-1 copy this CTA's 64-line
+//  - Alone (kCluster = 1), in a weight pair, or a gathered rhs (tgmm's own 256 columns, never shared), the whole
+//    producer warpgroup copies the lines, and each thread's copies arrive on the stage's full barrier when they land
+//    (noinc: the barrier's count includes the 128 threads).
+//  - tgmm's gathered lhs in a row pair (the CTAs share it, as with a TMA lhs): warps 0-1 copy this CTA's 64-line
 //    half and arrive on the stage's `landed` barrier. Warp 2 (the forwarder) waits for it and sends the half on to
 //    the same offset of the peer's stage by one shared::cluster bulk copy, whose bytes complete there on the peer's
 //    full barrier; then it arrives on its own full barrier for the half. So each CTA reads half the lhs bytes from
@@ -499,8 +536,9 @@ template <Mode kMode, Gathered kGathered, int kCluster>
 struct Gather {
   static constexpr bool kRhs = kGathered == Gathered::kRhs;
   static constexpr bool kMnMajor = kMode == Mode::kTgmm;
-  static constexpr bool kForwards = !kRhs && kCluster > 1;
-  static constexpr int kLines = kRhs ? kBBytes / kLineBytes : kBlockM / kCluster;  // this CTA's lines of a stage
+  static constexpr bool kForwards = !kRhs && ClusterLayout<kMode, kCluster, kGathered>::kRowPair;
+  // This CTA's lines of a stage: a forwarded lhs is copied half by each CTA of the row pair.
+  static constexpr int kLines = kRhs ? kBBytes / kLineBytes : (kForwards ? kBlockM / 2 : kBlockM);
   static constexpr int kLinesPerThread = kRhs ? 16 : 8;
   static constexpr int kThreads = kLines * (kLineBytes / 16) / kLinesPerThread;  // 128, or 64 forwarding
   static constexpr int kLineStride = kThreads / 8;                               // between a thread's lines
@@ -510,7 +548,7 @@ struct Gather {
   static constexpr int kFullArrivals = kForwards ? 2 : 1 + kThreads;  // thread 0, and the copies or the forwarder
   static constexpr uint32_t kFullBytes = kRhs ? kABytes : (kForwards ? kBBytes + kSubTileBytes : kBBytes);
   static constexpr uint32_t kStageOffset = kRhs ? kABytes : 0;  // the operand's place in a stage
-  static_assert(!kForwards || (kCluster == 2 && kLines * kLineBytes == kSubTileBytes), "a half is one sub-tile");
+  static_assert(!kForwards || kLines * kLineBytes == kSubTileBytes, "a half is one sub-tile");
   static_assert(kMnMajor || kLineStride * kLinesPerThread == kLines, "K-major: one line per row");
 
   // The operand's line of the thread's line 0 (this CTA's half first when forwarding); line i is kLineStride * i
@@ -575,7 +613,7 @@ __device__ __forceinline__ void gather_copies(const Params& p, const GatherRows<
                : "memory");
 }
 
-// Cluster only, the forwarder warp (lane 0 issues): this CTA's landed half of stage `stage` on to the peer's stage,
+// Row pairs only, the forwarder warp (lane 0 issues): this CTA's landed half of stage `stage` on to the peer's stage,
 // then its own full barrier's arrival for the half. peer_stage0 and peer_full0 are the peer's stage 0 and its full
 // barrier, as shared::cluster addresses.
 __device__ __forceinline__ void forward_lhs_half(uint8_t* smem, uint64_t* full, uint64_t* landed, uint32_t stage,
@@ -967,6 +1005,47 @@ struct StageRelease {
   }
 };
 
+// Weight pairs (the row GEMMs with a gathered lhs; back to back on an H100, 0.9-1.7% less time in the SwiGLU GEMM and
+// 0-1.1% in the dgrad than row pairs gathering half the lhs each and forwarding it, while gmm's TMA-loaded lhs lost
+// 3-8% in weight pairs: `gpu_power_h100_session45_{wpair,hybrid}_ab.json`): claim c is tiles low = 4 (c / 2) + c % 2
+// (rank 0) and low + 2 (rank 1), m fastest in the band order (kernels/grouped_gemm.h) the same n block of two adjacent
+// m blocks, except where a band's n pair, a visit or a group ends between them. Where both tiles hold data of one group
+// and one n block, each CTA loads one column half of the weight block into both, and a k step reads 32 KB from L2 per
+// CTA (the lhs and a weight half) instead of a row pair's 40 (an lhs half and the whole weight block); otherwise each
+// loads its own. The pair steps through its stages in lockstep (a stage is free when the consumer warps of both CTAs
+// have released it), so both run the longer k loop of the two: a tile without data beside one with data (the tail
+// pseudo-group's, or a claim's second tile past the last one) hands its stages on without loads, its producer arriving
+// on the full barriers without bytes and its consumers releasing the stages unread.
+struct ClaimedTile {
+  Tile tile;           // this CTA's, with the k loop of the claim (a tile without data may get the peer's)
+  bool share_weights;  // with the weight pair's other CTA
+};
+
+template <Mode kMode, int kBlockN, int kCluster, Gathered kGathered>
+__device__ __forceinline__ ClaimedTile claimed_tile(Scheduler<kMode, kBlockN>& scheduler, const Params& p,
+                                                   int32_t claim, uint32_t rank) {
+  if constexpr (!ClusterLayout<kMode, kCluster, kGathered>::kWeightPair) {
+    return {scheduler.get(p, kCluster * claim + static_cast<int32_t>(rank)), false};
+  } else {
+    // The scheduler is a forward-only cursor: the low tiles of successive claims increase, the high one goes
+    // through a copy.
+    const int32_t low = 4 * (claim / 2) + claim % 2;
+    Scheduler<kMode, kBlockN> ahead = scheduler;
+    Tile tile = scheduler.get(p, low), peer = ahead.get(p, low + 2);
+    if (rank == 1) {  // field by field: selects in registers, where a reference to either would take local memory
+      const Tile low_tile = tile;
+      tile = peer;
+      peer = low_tile;
+    }
+    const bool share = tile.valid > 0 && peer.valid > 0 && tile.group == peer.group && tile.n_block == peer.n_block;
+    if (peer.k_steps > tile.k_steps) {
+      if (tile.k_steps < 0) tile = {0, 0, 0, 0, 0, 0, 0, 0};  // past the last tile: nothing to write
+      tile.k_steps = peer.k_steps;
+    }
+    return {tile, share};
+  }
+}
+
 // thread: 0 (TMA loads; it also decodes the tiles for the consumers) or, with a gathered operand, 0..127 (see
 // "Gathered operands" for the warps' parts; thread 0 also issues the other operand's loads, and every warp pops the
 // tile queue).
@@ -995,13 +1074,17 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
   uint32_t it = 0;
   for (;;) {
     if (fetcher) queue.publish(pair);
-    const Tile tile = scheduler.get(p, kCluster * queue.template pop<kGathers>() + static_cast<int32_t>(rank));
+    const ClaimedTile claimed =
+        claimed_tile<kMode, kBlockN, kCluster, kGathered>(scheduler, p, queue.template pop<kGathers>(), rank);
+    const Tile& tile = claimed.tile;
     if (thread == 0) ring.push(tile);
     if (tile.k_steps < 0) break;
     // Claimed now, when this CTA starts loading, so that the claims follow the order the CTAs free up in; the
     // stage ring holds kStages steps of work over the atomic's latency.
     if (fetcher) pair = clusters + atomicAdd(p.tile_counter, 1);
     const int32_t steps = tile.k_steps;
+    // Else it hands the stages on (weight pairs).
+    const bool has_data = !ClusterLayout<kMode, kCluster, kGathered>::kWeightPair || tile.valid > 0;
     if (steps == 0 || (kGathers && !gatherer && !forwarder)) continue;
     if (forwarder) {
       for (int32_t ks = 0; ks < steps; ++ks, ++it)
@@ -1020,14 +1103,20 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
       wait_barrier(&empty[stage], ((it / kStages) & 1) ^ 1);
       uint8_t* a_smem = smem + stage * kStageBytes;
       if (thread == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage],
-                                                                       kGathers ? G::kFullBytes : kStageBytes);
-        if constexpr (kGathered != Gathered::kLhs)
-          load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
-        if constexpr (kGathered != Gathered::kRhs)
-          load_rhs<kMode, kBMnMajor>(maps, p, tile, ks, a_smem + kABytes, &full[stage]);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+            &full[stage], has_data ? (kGathers ? G::kFullBytes : kStageBytes) : 0);
+        if (has_data) {
+          if constexpr (kGathered != Gathered::kLhs)
+            load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
+          if constexpr (kGathered != Gathered::kRhs)
+            load_rhs<kMode, kBMnMajor, kCluster, kGathered>(maps, p, tile, ks, rank, claimed.share_weights,
+                                                            a_smem + kABytes, &full[stage]);
+        }
       }
-      if constexpr (kGathers) {
+      if (kGathers && !has_data) {  // the copies' arrivals, without copies
+        const uint32_t barrier = cute::cast_smem_ptr_to_uint(G::kForwards ? &landed[stage] : &full[stage]);
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+      } else if constexpr (kGathers) {
         // The 16-byte column of the thread's line 0: the k step's (K-major), or its sub-tile's of the tile's columns.
         const int first_line = G::first_line(rank, thread);
         uint32_t column = ks * (kBlockK / 8);
