@@ -449,10 +449,10 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, uint64_t* full,
 }
 
 // The lhs of k step ks by TMA: in a row pair this CTA loads lhs half `rank` into both CTAs, and its peer the other.
-template <Mode kMode, int kCluster>
+template <Mode kMode, int kCluster, Gathered kGathered>
 __device__ __forceinline__ void load_lhs(const TensorMaps& maps, const Params& p, const Tile& tile, int32_t ks,
                                          uint32_t rank, uint8_t* a_smem, uint64_t* full) {
-  using Layout = ClusterLayout<kMode, kCluster, Gathered::kNone>;
+  using Layout = ClusterLayout<kMode, kCluster, kGathered>;
   const uint16_t peers = Layout::kRowPair ? Layout::kBoth : 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -1107,15 +1107,15 @@ __device__ __forceinline__ void produce(const TensorMaps& maps, const Params& p,
             &full[stage], has_data ? (kGathers ? G::kFullBytes : kStageBytes) : 0);
         if (has_data) {
           if constexpr (kGathered != Gathered::kLhs)
-            load_lhs<kMode, kCluster>(maps, p, tile, ks, rank, a_smem, &full[stage]);
+            load_lhs<kMode, kCluster, kGathered>(maps, p, tile, ks, rank, a_smem, &full[stage]);
           if constexpr (kGathered != Gathered::kRhs)
             load_rhs<kMode, kBMnMajor, kCluster, kGathered>(maps, p, tile, ks, rank, claimed.share_weights,
                                                             a_smem + kABytes, &full[stage]);
         }
       }
-      if (kGathers && !has_data) {  // the copies' arrivals, without copies
-        const uint32_t barrier = cute::cast_smem_ptr_to_uint(G::kForwards ? &landed[stage] : &full[stage]);
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+      if (kGathers && !has_data) {  // the copies' arrivals without copies (weight pairs: on the full barrier)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cute::cast_smem_ptr_to_uint(&full[stage]))
+                     : "memory");
       } else if constexpr (kGathers) {
         // The 16-byte column of the thread's line 0: the k step's (K-major), or its sub-tile's of the tile's columns.
         const int first_line = G::first_line(rank, thread);
