@@ -427,7 +427,7 @@ __device__ __forceinline__ void fence_accumulators(float* acc) {
 
 // What the two CTAs of a cluster share. A row pair takes the two n blocks of one (group, m block): their lhs tiles
 // are equal. The row GEMMs with a gathered lhs (gmm_swiglu's and the dgrad's) run in weight pairs, two tiles two
-// apart in the order, as a rule two adjacent m blocks of one n block (see "Weight pairs" in produce): where both are
+// apart in the order, as a rule two adjacent m blocks of one n block (see "Weight pairs" below): where both are
 // of one group, their weights.
 template <Mode kMode, int kCluster, Gathered kGathered>
 struct ClusterLayout {
