@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import common  # noqa: E402
+import kloop_sass  # noqa: E402
 import layer  # noqa: E402
 
 import jax_kittens  # noqa: E402
@@ -260,18 +261,15 @@ def source_regions(rows) -> dict[str, float | bool] | None:
   """
   sass = [r["sass"] for r in rows]
   samples = [r["samples"] for r in rows]
-  index = {int(r["address"], 16): i for i, r in enumerate(rows) if r.get("address")}
   hgmma = [i for i, text in enumerate(sass) if "HGMMA" in text]
   producer = next((i for i, text in enumerate(sass) if "UTMACCTL.PF" in text), None)
   if not hgmma or producer is None or producer < hgmma[-1]:
     return None
+  loop = kloop_sass.consumer_k_loop(sass, [int(r.get("address") or "-1", 16) for r in rows], stop=producer)
   begin = end = None
-  for i in range(hgmma[-1], producer):
-    target = sass[i].split("BRA", 1)[1].split()[0] if "BRA" in sass[i] else ""
-    if target.startswith("0x") and index.get(int(target, 16), len(rows)) < hgmma[-1]:
-      begin = index[int(target, 16)]
-      end = next((j + 1 for j in range(i, producer) if "DEPBAR.LE gsb0, 0x0" in sass[j]), None)
-      break
+  if loop is not None:
+    begin = loop[0]
+    end = next((j + 1 for j in range(loop[1], producer) if "DEPBAR.LE gsb0, 0x0" in sass[j]), None)
   idle = {i for i, text in enumerate(sass) if "UCGABAR_WAIT" in text}
   total = sum(samples)
   busy = total - sum(samples[i] for i in idle)

@@ -261,3 +261,42 @@ def test_gpu_power_summarizes_nvidia_smi_samples():
   assert summary["power_cap_share"] == pytest.approx(2 / 3)
   assert summary["samples"] == 3
   assert gpu_power.summarize([], fields) == {"samples": 0}
+
+
+def sass_listing(kernel_loop):
+  """`cuobjdump -sass` text of one gmm kernel (cluster 2, bf16 out) whose consumer k loop is `kernel_loop`."""
+  name = ("_ZN2jk12grouped_gemm4sm9019grouped_gemm_kernelILNS1_4ModeE0ELb1EtLi2ELNS1_8GatheredE0EEEv"
+          "NS1_10TensorMapsENS1_6ParamsE")
+  code = ["MOV R1, c[0x0][0x28]", "STL [R1+0x14], R0", "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspB, RZ, !UPT, gsb0",
+          *kernel_loop, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+  loop_head = 0x10 * 3  # the first instruction of kernel_loop
+  lines = [f"\tcode for sm_90a\n\t\tFunction : {name}", "\t.headerflags\t@\"EF_CUDA_SM90\""]
+  for i, text in enumerate(code):
+    text = text.replace("LOOP_HEAD", hex(loop_head))
+    lines.append(f"        /*{0x10 * i:04x}*/                   {text} ;   /* 0x000fe20000000800 */")
+  return "\n".join(lines) + "\n"
+
+
+def test_kloop_sass_finds_the_consumer_k_loop_and_flags_demoted_uniform_registers(tmp_path, capsys):
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import kloop_sass  # noqa: PLC0415 (the benchmarks folder is not a package)
+
+  uniform = ["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R215+UR5+0x38000], R208", "ULEA UR5, UR6, UR7, 0xd",
+             "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR12].tnspB, R24, UP0", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+             "@!P1 BRA LOOP_HEAD"]
+  demoted = uniform[:1] + ["R2UR UR16, R2", "R2UR UR17, R3", "R2UR UR18, R214", "R2UR UR19, R215"] + uniform[2:]
+  (tmp_path / "base.sass").write_text(sass_listing(uniform))
+  (tmp_path / "variant.sass").write_text(sass_listing(demoted))
+
+  kernels = kloop_sass.functions((tmp_path / "variant.sass").read_text())
+  assert list(kernels) == ["gmm          rhs mn-major out bf16 cluster 2 gathered none"]
+  loop = kloop_sass.k_loop(next(iter(kernels.values())))
+  # The loop runs from the back edge's target to the back edge; the peeled k step before it is not in it.
+  assert loop == kloop_sass.KLoop(instructions=8, r2ur=4, uniform=0, local_memory=1)
+  assert kloop_sass.k_loop(next(iter(kloop_sass.functions(sass_listing(uniform)).values()))).uniform == 1
+
+  assert kloop_sass.main([str(tmp_path / "base.sass"), str(tmp_path / "variant.sass")]) == 0
+  out = capsys.readouterr().out
+  assert "4*" in out and "uniform registers demoted" in out
+  assert kloop_sass.main([str(tmp_path / "base.sass"), str(tmp_path / "base.sass")]) == 0
+  assert "demoted" not in capsys.readouterr().out
