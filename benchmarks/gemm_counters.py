@@ -265,7 +265,8 @@ def source_regions(rows) -> dict[str, float | bool] | None:
   producer = next((i for i, text in enumerate(sass) if "UTMACCTL.PF" in text), None)
   if not hgmma or producer is None or producer < hgmma[-1]:
     return None
-  loop = kloop_sass.consumer_k_loop(sass, [int(r.get("address") or "-1", 16) for r in rows], stop=producer)
+  addresses = [int(r["address"], 16) if r.get("address") else -1 for r in rows]  # -1: where no branch goes
+  loop = kloop_sass.consumer_k_loop(sass, addresses, stop=producer)
   begin = end = None
   if loop is not None:
     begin = loop[0]
